@@ -1,0 +1,5 @@
+import sys
+
+from hybridkv.cli import main
+
+sys.exit(main())

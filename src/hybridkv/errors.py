@@ -1,0 +1,111 @@
+"""The one exception tree of hybridkv.
+
+Every error hybridkv raises on bad input derives from :class:`HybridKVError`, so a
+caller (and the CLI) can catch one type. Errors that correspond to a builtin kind
+also derive from it (``ValueError``, ``KeyError``) so generic handlers still work.
+
+    HybridKVError
+    ├── InvalidSpecError          a KV cache spec with impossible values
+    ├── InvalidConfigError        a model / cache / scheduler config that cannot be used
+    │   └── UnknownArchitectureError
+    ├── InvalidArgumentError      a negative count, an unparsable size, ...
+    ├── RequestError              misuse of the request life cycle
+    │   ├── UnknownRequestError
+    │   ├── DuplicateRequestError
+    │   ├── RequestFreedError     freeing (or using) a request that is already freed
+    │   └── PromptTooLongError
+    ├── PoolTooSmallError         the block pool cannot hold even one request
+    ├── TraceFormatError          a bad line in a workload trace (carries the line number)
+    ├── WeightLoadError           unknown / missing / misshaped tensors in a checkpoint
+    └── InvariantViolation        check_invariants() found corrupted state (a bug)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HybridKVError",
+    "InvalidSpecError",
+    "InvalidConfigError",
+    "UnknownArchitectureError",
+    "InvalidArgumentError",
+    "RequestError",
+    "UnknownRequestError",
+    "DuplicateRequestError",
+    "RequestFreedError",
+    "PromptTooLongError",
+    "PoolTooSmallError",
+    "TraceFormatError",
+    "WeightLoadError",
+    "InvariantViolation",
+]
+
+
+class HybridKVError(Exception):
+    """Base class of every error raised by hybridkv."""
+
+
+class InvalidSpecError(HybridKVError, ValueError):
+    """A KV cache spec has an impossible value (block_size <= 0, unknown dtype, ...)."""
+
+
+class InvalidConfigError(HybridKVError, ValueError):
+    """A model, cache or scheduler configuration cannot be used."""
+
+
+class UnknownArchitectureError(InvalidConfigError):
+    """A model config names an architecture hybridkv does not support."""
+
+
+class InvalidArgumentError(HybridKVError, ValueError):
+    """An argument is out of range or unparsable (negative token count, '80XB')."""
+
+
+class RequestError(HybridKVError):
+    """Misuse of the request life cycle."""
+
+
+class UnknownRequestError(RequestError, KeyError):
+    """An operation names a request the component does not know."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class DuplicateRequestError(RequestError):
+    """A request id is added twice."""
+
+
+class RequestFreedError(RequestError):
+    """A request is freed (or used) after it was already freed."""
+
+
+class PromptTooLongError(RequestError, ValueError):
+    """A prompt (plus its requested output) does not fit the model or the pool."""
+
+
+class PoolTooSmallError(HybridKVError):
+    """The block pool (or memory budget) cannot hold even a single request."""
+
+
+class TraceFormatError(HybridKVError, ValueError):
+    """A workload trace line is malformed; ``line`` is its 1-based number."""
+
+    def __init__(self, message: str, line: int | None = None, path: str | None = None):
+        self.line = line
+        self.path = path
+        where = ""
+        if path is not None:
+            where = f"{path}:"
+        if line is not None:
+            where += f"{line}: " if where else f"line {line}: "
+        elif where:
+            where += " "
+        super().__init__(f"{where}{message}")
+
+
+class WeightLoadError(HybridKVError):
+    """A checkpoint has unknown, missing or misshaped tensors."""
+
+
+class InvariantViolation(HybridKVError, AssertionError):
+    """``check_invariants()`` found corrupted internal state. Always a bug."""
