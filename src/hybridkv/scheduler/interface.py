@@ -1,0 +1,88 @@
+"""What the scheduler hands a model runner each step, and what comes back.
+
+Torch-free. The scheduler decides, per step, which requests compute which tokens;
+the runner (a real model in ``hybridkv.engine`` or a fake one in tests) computes
+them and returns one sampled token for every request whose ``sample`` flag is set.
+
+Block tables are per KV cache group: ``block_ids[g][i]`` holds the tokens
+``[i * block_size, (i + 1) * block_size)`` of the request in group ``g``. Block id 0
+is the shared null block: it stands for tokens no future token attends to (out of
+the sliding window / before the current chunk) and must never be read or written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from hybridkv.errors import InvalidArgumentError
+
+__all__ = ["SamplingParams", "ScheduledRequest", "SchedulerOutput", "ModelRunner"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick the next token. temperature 0 is greedy (argmax)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidArgumentError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise InvalidArgumentError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.top_k < 0:
+            raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's work in one step.
+
+    ``token_ids`` are the tokens to compute now, at positions
+    ``num_computed_tokens .. num_computed_tokens + len(token_ids) - 1``.
+    ``sample`` is True when the last of them is the request's last known token
+    (prefill finished or a decode step), so the runner must return a new token.
+    ``num_output_tokens`` counts tokens sampled so far (seeded sampling uses it).
+    """
+
+    request_id: str
+    token_ids: Sequence[int]
+    num_computed_tokens: int
+    block_ids: tuple[Sequence[int], ...]
+    sample: bool
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_output_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """All the work of one step plus the requests that left since the last one."""
+
+    step: int
+    scheduled: tuple[ScheduledRequest, ...]
+    finished_request_ids: tuple[str, ...] = ()
+    preempted_request_ids: tuple[str, ...] = ()
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.scheduled)
+
+
+class ModelRunner(Protocol):
+    """Computes a step; returns request id -> sampled token for requests with ``sample``."""
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]: ...
