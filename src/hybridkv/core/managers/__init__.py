@@ -1,0 +1,36 @@
+"""One manager per attention type; ``manager_for_spec`` picks the class for a spec."""
+
+from __future__ import annotations
+
+from hybridkv.core.managers.base import AttentionManager, RequestBlocks
+from hybridkv.core.managers.chunked_local import ChunkedLocalAttentionManager
+from hybridkv.core.managers.full import FullAttentionManager
+from hybridkv.core.managers.sliding_window import SlidingWindowManager
+from hybridkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from hybridkv.errors import InvalidSpecError
+
+__all__ = [
+    "AttentionManager",
+    "RequestBlocks",
+    "FullAttentionManager",
+    "SlidingWindowManager",
+    "ChunkedLocalAttentionManager",
+    "MANAGER_FOR_SPEC",
+    "manager_class_for",
+]
+
+#: spec class -> manager class; a new attention type adds one entry (and one module)
+MANAGER_FOR_SPEC: dict[type[KVCacheSpec], type[AttentionManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+}
+
+
+def manager_class_for(spec: KVCacheSpec) -> type[AttentionManager]:
+    try:
+        return MANAGER_FOR_SPEC[type(spec)]
+    except KeyError:
+        raise InvalidSpecError(
+            f"no KV cache manager for {type(spec).__name__}; known: {[c.__name__ for c in MANAGER_FOR_SPEC]}"
+        ) from None

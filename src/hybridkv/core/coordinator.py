@@ -1,0 +1,196 @@
+"""The coordinator: one pool, one manager per distinct spec, one answer for all groups.
+
+Groups with identical specs share a manager (they advance in lock-step), so a
+Llama-4-Scout layout (1 full + 3 chunked groups) has two managers.
+
+Prefix-cache hits must be valid for *every* group. Each manager's
+``find_longest_cache_hit(max_length)`` returns the longest hit R <= max_length that
+is valid for its attention type, and R stays its answer for any max_length in
+[R, max_length]. The coordinator starts from L = max_length and calls the managers
+(full attention first: its left-to-right scan bounds L cheaply) with the current L,
+lowering L to each answer, until a whole pass leaves L unchanged. Full attention is
+downward closed, so it is never asked again: its hit is cut to L at the end.
+
+Example (block 1, full + chunked C 2, max_length 5, cached blocks 0-2 only):
+full → 3; chunked(3) → chunk of token 3 starts at 2, block 2 hits → 3. L = 3.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from hybridkv.core.block_pool import BlockPool, KVCacheBlock
+from hybridkv.core.config import KVCacheConfig
+from hybridkv.core.hashing import BlockHash
+from hybridkv.core.managers import AttentionManager, manager_class_for
+from hybridkv.core.request import Request
+from hybridkv.errors import InvariantViolation
+
+__all__ = ["KVCacheCoordinator"]
+
+PerGroup = tuple[list[KVCacheBlock], ...]
+
+
+class KVCacheCoordinator:
+    """Routes per-group work to the managers and reconciles prefix hits across them."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        *,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        enable_kv_events: bool = False,
+        uncached_first: bool = True,
+    ):
+        self.config = kv_cache_config
+        self.num_groups = len(kv_cache_config.groups)
+        self.block_size = kv_cache_config.block_size
+        self.enable_caching = enable_caching
+        self.use_eagle = use_eagle
+        self.pool = BlockPool(
+            kv_cache_config.num_blocks,
+            self.num_groups,
+            enable_caching=enable_caching,
+            enable_kv_events=enable_kv_events,
+            group_kinds=[g.spec.kind for g in kv_cache_config.groups],
+            uncached_first=uncached_first,
+            block_size=self.block_size,
+        )
+        by_spec: dict = {}
+        for gid, group in enumerate(kv_cache_config.groups):
+            by_spec.setdefault(group.spec, []).append(gid)
+        self.managers: list[AttentionManager] = [
+            manager_class_for(spec)(spec, gids, self.pool, enable_caching) for spec, gids in by_spec.items()
+        ]
+        # full attention first: cheapest bound on the hit length
+        self.find_order = sorted(self.managers, key=lambda m: not m.downward_closed)
+        self.skipping_managers = [m for m in self.managers if not m.downward_closed]
+        # group id -> (manager, index of the group inside the manager)
+        self.group_slot: list[tuple[AttentionManager, int]] = [None] * self.num_groups  # type: ignore[list-item]
+        for m in self.managers:
+            for j, gid in enumerate(m.group_ids):
+                self.group_slot[gid] = (m, j)
+        self._empty: PerGroup = tuple([] for _ in range(self.num_groups))
+
+    # ------------------------------------------------------------------ hits
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[PerGroup, int]:
+        """Blocks per group and the hit length (whole blocks) valid for every group."""
+        if not self.enable_caching or max_length < self.block_size:
+            return tuple([] for _ in range(self.num_groups)), 0
+        found, length = self._fixed_point(block_hashes, max_length)
+        if self.use_eagle and length > 0:
+            # EAGLE recomputes at least the last hit block; the shorter hit must
+            # itself be valid (chunked C 2, block 1: 4 null blocks → 2, not 3).
+            found, length = self._fixed_point(block_hashes, length - self.block_size)
+        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
+        nblocks = length // self.block_size
+        for m, (blocks, _) in found.items():
+            for j, gid in enumerate(m.group_ids):
+                out[gid] = blocks[j][:nblocks] if m.downward_closed else blocks[j]
+        return tuple(out), length
+
+    def _fixed_point(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[dict, int]:
+        length = max_length
+        found: dict[AttentionManager, tuple[list[list[KVCacheBlock]], int]] = {}
+        changed = True
+        while changed:
+            changed = False
+            for m in self.find_order:
+                prev = found.get(m)
+                if prev is not None and (m.downward_closed or prev[1] == length):
+                    continue
+                blocks, hit = m.find_longest_cache_hit(block_hashes, length)
+                found[m] = (blocks, hit)
+                if hit < length:
+                    length = hit
+                    changed = True
+        return found, length
+
+    # ----------------------------------------------------------- allocation
+    def _split(self, m: AttentionManager, per_group: PerGroup | None) -> list[list[KVCacheBlock]] | None:
+        if per_group is None:
+            return None
+        return [per_group[g] for g in m.group_ids]
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        for m in self.skipping_managers:
+            m.remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: PerGroup | None, num_computed_tokens: int
+    ) -> int:
+        return sum(
+            m.get_num_blocks_to_allocate(request_id, num_tokens, self._split(m, new_computed_blocks), num_computed_tokens)
+            for m in self.managers
+        )
+
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: PerGroup | None, num_computed_tokens: int
+    ) -> None:
+        for m in self.managers:
+            m.save_new_computed_blocks(request_id, self._split(m, new_computed_blocks), num_computed_tokens)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> PerGroup:
+        out: list[list[KVCacheBlock]] = [None] * self.num_groups  # type: ignore[list-item]
+        for m in self.managers:
+            for gid, blocks in zip(m.group_ids, m.allocate_new_blocks(request_id, num_tokens)):
+                out[gid] = blocks
+        return tuple(out)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        if self.enable_caching:
+            for m in self.managers:
+                m.cache_blocks(request, num_tokens)
+
+    def free(self, request_id: str) -> bool:
+        """Free every block of the request, group 0's first, each tail-most first."""
+        popped = {}
+        for m in self.managers:
+            groups = m.pop_blocks(request_id)
+            if groups is not None:
+                popped[m] = groups
+        if not popped:
+            return False
+        free = self.pool.free_blocks
+        for m, j in self.group_slot:
+            if m in popped:
+                free(popped[m][j])
+        return True
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.managers[0].requests
+
+    # ------------------------------------------------------------ inspection
+    def get_blocks(self, request_id: str) -> PerGroup:
+        return tuple(m.get_blocks(request_id)[j] for m, j in self.group_slot)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple(m.get_block_ids(request_id)[j] for m, j in self.group_slot)
+
+    def num_requests(self) -> int:
+        return len(self.managers[0].requests)
+
+    def check_invariants(self) -> None:
+        """Pool consistency plus: every table entry is counted in its block's ref_cnt,
+        the managers know the same requests, and no block serves two groups."""
+        ref_counts: dict[int, int] = {}
+        known = None
+        for m in self.managers:
+            ids = set(m.requests)
+            if known is not None and ids != known:
+                raise InvariantViolation(f"managers disagree on the live requests: {sorted(known ^ ids)}")
+            known = ids
+            m.check_invariants(ref_counts)
+        owner: dict[int, int] = {}
+        for m in self.managers:
+            for st in m.requests.values():
+                for gid, table in zip(m.group_ids, st.tables):
+                    for block in table:
+                        if block.is_null:
+                            continue
+                        if owner.setdefault(block.block_id, gid) != gid:
+                            raise InvariantViolation(f"block {block.block_id} is used by groups {owner[block.block_id]} and {gid}")
+                        if block.block_hash is not None and block.group_id != gid:
+                            raise InvariantViolation(f"block {block.block_id} in group {gid} is cached for group {block.group_id}")
+        self.pool.check_invariants(ref_counts)

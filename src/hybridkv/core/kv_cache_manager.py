@@ -1,0 +1,249 @@
+"""The facade a scheduler talks to: prefix hits, slot allocation, freeing, stats.
+
+Per step, for each request it schedules, a scheduler calls::
+
+    blocks, n = kv.get_computed_blocks(req)            # new requests only
+    new = kv.allocate_slots(req, num_new_tokens, n, blocks)
+    if new is None: preempt someone, or leave req waiting
+    ...run the model..., then req.num_computed_tokens += n + num_new_tokens
+    req.append_token_ids(sampled)                     # hashes of full blocks follow
+
+and ``kv.free(req)`` when the request finishes or is preempted.
+
+Block layout of one ``allocate_slots`` call (tokens)::
+
+    | computed | new computed (hit) | new      | lookahead |
+    |<-- num_computed_tokens ------>|
+                                    |<- slots to allocate ->|
+    |<------ cached after the call ----------->|
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from hybridkv.core.block_pool import KVCacheBlock
+from hybridkv.core.config import CacheManagerConfig, KVCacheConfig
+from hybridkv.core.coordinator import KVCacheCoordinator
+from hybridkv.core.events import KVCacheEvent
+from hybridkv.core.request import BlockHasher, Request
+from hybridkv.errors import (
+    InvalidArgumentError,
+    PromptTooLongError,
+    RequestError,
+    RequestFreedError,
+    UnknownRequestError,
+)
+
+__all__ = ["KVCacheManager", "KVCacheBlocks", "PrefixCacheStats"]
+
+
+class KVCacheBlocks:
+    """Blocks per KV cache group (``blocks[g]`` is group g's list)."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, blocks: tuple[list[KVCacheBlock], ...]):
+        self.blocks = blocks
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def num_blocks(self) -> int:
+        return sum(len(group) for group in self.blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlocks({self.get_block_ids()})"
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache lookups since the last reset, in tokens."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Hybrid paged KV cache: one pool, per-type managers, prefix caching."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig, config: CacheManagerConfig, *, uncached_first: bool = True):
+        self.kv_cache_config = kv_cache_config
+        self.config = config
+        self.block_size = kv_cache_config.block_size
+        self.max_model_len = config.max_model_len
+        self.enable_caching = config.enable_caching
+        self.coordinator = KVCacheCoordinator(
+            kv_cache_config,
+            enable_caching=config.enable_caching,
+            use_eagle=config.use_eagle,
+            enable_kv_events=config.enable_kv_events,
+            uncached_first=uncached_first,
+        )
+        self.pool = self.coordinator.pool
+        self.hasher = BlockHasher(self.block_size, config.hash_algo) if config.enable_caching else None
+        self.stats = PrefixCacheStats()
+        self._live: dict[str, Request] = {}
+        self._freed: set[str] = set()
+        self._empty = KVCacheBlocks(tuple([] for _ in range(self.coordinator.num_groups)))
+
+    # ------------------------------------------------------------- requests
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int], **extra) -> Request:
+        """A Request whose block hashes match this manager's block size and hash."""
+        return Request(request_id, prompt_token_ids, hasher=self.hasher, **extra)
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest cached prefix of a new request valid for every group.
+
+        The last prompt token is always recomputed (its logits are needed), so at
+        most ``num_tokens - 1`` tokens, rounded down to whole blocks, can hit.
+        Takes no references: pass the result to :meth:`allocate_slots`.
+        """
+        if not self.enable_caching:
+            return self._empty, 0
+        blocks, num_hit = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+        self.stats.requests += 1
+        self.stats.queries += request.num_tokens
+        self.stats.hits += num_hit
+        return KVCacheBlocks(blocks), num_hit
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Give the request slots for ``num_new_tokens`` (+ lookahead) more tokens.
+
+        Returns the newly allocated blocks per group, or None when the pool cannot
+        hold them. On None the request's tables and counts are unchanged; blocks no
+        future token attends to may already have been returned to the pool.
+        """
+        for name, value in (
+            ("num_new_tokens", num_new_tokens),
+            ("num_new_computed_tokens", num_new_computed_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
+        rid = request.request_id
+        coord = self.coordinator
+        live = self._live.get(rid)
+        if live is not None and live is not request:
+            raise RequestError(f"another request with id {rid!r} holds blocks")
+        hit = None
+        if new_computed_blocks is not None and new_computed_blocks.blocks and new_computed_blocks.blocks[0]:
+            hit = new_computed_blocks.blocks
+        if hit is not None or num_new_computed_tokens:
+            if live is not None:
+                raise RequestError(f"request {rid!r} already holds blocks; prefix hits are for new requests")
+            if hit is None or len(hit[0]) * self.block_size != num_new_computed_tokens:
+                got = 0 if hit is None else len(hit[0]) * self.block_size
+                raise InvalidArgumentError(
+                    f"num_new_computed_tokens {num_new_computed_tokens} != {got} tokens of new_computed_blocks"
+                )
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens = num_computed + num_new_tokens
+        if num_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"request {rid!r} needs {num_tokens} tokens, more than max_model_len {self.max_model_len}"
+            )
+        if num_tokens > request.num_tokens:
+            raise InvalidArgumentError(
+                f"request {rid!r} has {request.num_tokens} tokens; cannot compute up to {num_tokens}"
+            )
+        num_slots = min(num_tokens + num_lookahead_tokens, self.max_model_len)
+
+        if live is not None:
+            coord.remove_skipped_blocks(rid, request.num_computed_tokens)
+        need = coord.get_num_blocks_to_allocate(rid, num_slots, hit, num_computed)
+        if need > self.pool.num_free_blocks:
+            return None
+
+        if live is None:
+            coord.save_new_computed_blocks(rid, hit, num_computed)
+            self._live[rid] = request
+            self._freed.discard(rid)
+        new = coord.allocate_new_blocks(rid, num_slots)
+        if self.enable_caching:
+            coord.cache_blocks(request, min(num_tokens, request.num_tokens))
+        return KVCacheBlocks(new)
+
+    def free(self, request: Request | str) -> None:
+        """Return every block of a finished or preempted request to the pool."""
+        rid = request if isinstance(request, str) else request.request_id
+        if self._live.pop(rid, None) is None:
+            if rid in self._freed:
+                raise RequestFreedError(f"request {rid!r} was already freed")
+            raise UnknownRequestError(f"request {rid!r} holds no blocks")
+        self.coordinator.free(rid)
+        self._freed.add(rid)
+        if len(self._freed) > 100_000:  # only for error messages; keep it bounded
+            self._freed.clear()
+
+    def remove_skipped_blocks(self, request: Request) -> None:
+        """Free the request's blocks no future token attends to, now (allocate_slots also does)."""
+        if request.request_id not in self._live:
+            raise UnknownRequestError(f"request {request.request_id!r} holds no blocks")
+        self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+
+    # ------------------------------------------------------------ inspection
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        if request_id not in self._live:
+            raise UnknownRequestError(f"request {request_id!r} holds no blocks")
+        return KVCacheBlocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Block ids per group (0 = null block). Live lists: copy before keeping them."""
+        if request_id not in self._live:
+            raise UnknownRequestError(f"request {request_id!r} holds no blocks")
+        return self.coordinator.get_block_ids(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of non-null blocks in use by requests (cached free blocks count as free)."""
+        return self.pool.usage
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The stats since the last call, and start counting anew."""
+        stats, self.stats = self.stats, PrefixCacheStats()
+        return stats
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events since the last call (only when built with enable_kv_events)."""
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while requests hold blocks."""
+        return self.pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Raise InvariantViolation if the pool, the tables or the live set are inconsistent."""
+        from hybridkv.errors import InvariantViolation
+
+        coord = self.coordinator
+        live = set(self._live)
+        for m in coord.managers:
+            if set(m.requests) != live:
+                raise InvariantViolation(
+                    f"manager of groups {m.group_ids} knows {sorted(m.requests)}, live {sorted(live)}"
+                )
+        coord.check_invariants()

@@ -1,0 +1,59 @@
+"""Chunked local attention (Llama 4 iRoPE): token i attends to [floor(i / C) * C, i]."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from hybridkv.core.hashing import BlockHash
+from hybridkv.core.managers.base import AttentionManager, GroupBlocks
+from hybridkv.core.specs import ChunkedLocalAttentionSpec
+
+__all__ = ["ChunkedLocalAttentionManager"]
+
+
+class ChunkedLocalAttentionManager(AttentionManager):
+    """Tokens before the current chunk are never attended to again.
+
+    Hit search, for a hit of at most ``max_length`` tokens: the next token would be
+    at index ``max_length``, whose chunk starts at ``s = floor(max_length / C) * C``.
+    Blocks wholly before ``s`` count as computed (null blocks, no lookup); from the
+    block holding ``s`` the hit extends through cached blocks until the first miss.
+
+    Examples (block 1, C 2; ``[a b]`` is one chunk):
+
+    * ``[miss miss][miss miss][miss miss]``, max_length 5 → s = 4 → block 4 misses → 4
+    * ``[miss miss][hit  miss][miss miss]``, max_length 5 → 4 (block 2 is never looked at)
+    * ``[miss miss][miss miss][hit  miss]``, max_length 5 → block 4 hits → 5
+    * block 16, C 64, max_length 128 → s = 128: eight null blocks, 128 tokens, no lookup
+    * C not a multiple of the block: block 8, C 20, max_length 40 → s = 40 → 5 null
+      blocks; max_length 39 → s = 20 → blocks 0, 1 null, block 2 (tokens 16-23,
+      straddling 20) must be a hit.
+
+    Skipping: with n tokens computed the next token's chunk starts at
+    ``floor(n / C) * C``; every block wholly before it is freed. Block 128, C 1024:
+    n 1023 → nothing; n 1024 → blocks 0-7; a block straddling a chunk start is kept
+    (block 8, C 20, n 21 → 20 tokens → blocks 0, 1 freed, block 2 kept).
+    """
+
+    def __init__(self, spec: ChunkedLocalAttentionSpec, *args, **kwargs):
+        super().__init__(spec, *args, **kwargs)
+        self.attention_chunk_size = spec.attention_chunk_size
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[GroupBlocks, int]:
+        bs = self.block_size
+        max_blocks = min(max_length // bs, len(block_hashes))
+        start = (max_length // self.attention_chunk_size * self.attention_chunk_size) // bs
+        start = min(start, max_blocks)
+        null = self.null_block
+        computed: GroupBlocks = [[null] * start for _ in range(self.num_groups)]
+        lookup = self._lookup
+        for i in range(start, max_blocks):
+            blocks = lookup(block_hashes[i])
+            if blocks is None:
+                break
+            for lst, block in zip(computed, blocks):
+                lst.append(block)
+        return computed, len(computed[0]) * bs
