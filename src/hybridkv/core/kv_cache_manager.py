@@ -30,6 +30,7 @@ from hybridkv.core.events import KVCacheEvent
 from hybridkv.core.request import BlockHasher, Request
 from hybridkv.errors import (
     InvalidArgumentError,
+    InvariantViolation,
     PromptTooLongError,
     RequestError,
     RequestFreedError,
@@ -237,8 +238,6 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Raise InvariantViolation if the pool, the tables or the live set are inconsistent."""
-        from hybridkv.errors import InvariantViolation
-
         coord = self.coordinator
         live = set(self._live)
         for m in coord.managers:
@@ -247,3 +246,13 @@ class KVCacheManager:
                     f"manager of groups {m.group_ids} knows {sorted(m.requests)}, live {sorted(live)}"
                 )
         coord.check_invariants()
+        # content: a cached block at index i of a request's table holds that request's block i
+        for rid, request in self._live.items():
+            for gid, table in enumerate(coord.get_blocks(rid)):
+                for i, block in enumerate(table):
+                    if block.block_hash is not None and (
+                        i >= len(request.block_hashes) or block.block_hash != request.block_hashes[i]
+                    ):
+                        raise InvariantViolation(
+                            f"request {rid!r} group {gid}: block {block.block_id} at {i} caches other content"
+                        )
