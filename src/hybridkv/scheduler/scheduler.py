@@ -1,0 +1,291 @@
+"""Continuous batching over a hybrid KV cache: chunked prefill, prefix hits, preemption.
+
+Each ``schedule()`` spends a token budget (``max_num_batched_tokens``):
+
+1. Running requests first, in admission order: a decode token, or the next chunk of
+   an unfinished prefill. If the pool cannot hold a request's new slots, the most
+   recently admitted running request is preempted (its blocks freed, back to the
+   front of the waiting queue, recomputed later: nothing is lost) until it fits.
+2. Then, if nobody was preempted this step, waiting requests are admitted in order
+   with their prefix-cache hit, while budget, ``max_num_seqs`` and blocks allow.
+
+``allocate_slots`` frees the blocks no future token attends to (outside the window /
+before the current chunk) as requests advance, so chunked and sliding groups hand
+their blocks back while the request runs. ``update_from_output`` appends the sampled
+tokens and frees finished requests.
+
+Example (budget 8, one 10-token prompt, max_tokens 2)::
+
+    step 0: prefill tokens 0-7            (chunked prefill, no sample)
+    step 1: prefill tokens 8-9 → sample   (1st output token)
+    step 2: decode 1 token → sample       (2nd output token, finished, freed)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence as Seq
+
+from hybridkv.core.kv_cache_manager import KVCacheManager
+from hybridkv.core.specs import ChunkedLocalAttentionSpec, SlidingWindowSpec, cdiv
+from hybridkv.errors import (
+    DuplicateRequestError,
+    InvalidArgumentError,
+    InvariantViolation,
+    PoolTooSmallError,
+    PromptTooLongError,
+    UnknownRequestError,
+)
+from hybridkv.scheduler.config import SchedulerConfig
+from hybridkv.scheduler.interface import ModelRunner, SamplingParams, ScheduledRequest, SchedulerOutput
+from hybridkv.scheduler.sequence import FinishReason, Sequence, SequenceStatus
+
+__all__ = ["Scheduler"]
+
+
+class Scheduler:
+    """Waiting and running queues over one :class:`KVCacheManager`."""
+
+    def __init__(self, kv_cache_manager: KVCacheManager, config: SchedulerConfig):
+        if kv_cache_manager.max_model_len < config.max_model_len:
+            raise InvalidArgumentError(
+                f"KV cache max_model_len {kv_cache_manager.max_model_len} < scheduler max_model_len {config.max_model_len}"
+            )
+        self.kv = kv_cache_manager
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.sequences: dict[str, Sequence] = {}
+        self.step_count = 0
+        self.num_preemptions = 0
+        self._finished_since_last: list[str] = []
+        self._usable_blocks = kv_cache_manager.kv_cache_config.num_blocks - 1
+
+    # -------------------------------------------------------------- requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        sampling: SamplingParams | None = None,
+        **extra,
+    ) -> Sequence:
+        """Queue a request. Typed errors (nothing queued) for a duplicate id, an empty or
+        too long prompt, or a request the pool could never hold on its own."""
+        if request_id in self.sequences:
+            raise DuplicateRequestError(f"request {request_id!r} already exists")
+        sampling = sampling or SamplingParams()
+        if len(prompt_token_ids) > self.config.max_model_len:
+            raise PromptTooLongError(
+                f"request {request_id!r}: prompt of {len(prompt_token_ids)} tokens exceeds max_model_len "
+                f"{self.config.max_model_len}"
+            )
+        total = min(len(prompt_token_ids) + sampling.max_tokens, self.config.max_model_len)
+        peak = self.peak_blocks(total)
+        if peak > self._usable_blocks:
+            raise PoolTooSmallError(
+                f"request {request_id!r} ({total} tokens) may need {peak} blocks; the pool has {self._usable_blocks}"
+            )
+        request = self.kv.make_request(request_id, prompt_token_ids, **extra)
+        seq = Sequence(request, sampling, arrival_step=self.step_count)
+        self.sequences[request_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def peak_blocks(self, num_tokens: int) -> int:
+        """Most blocks one request of ``num_tokens`` tokens holds at once, all groups.
+
+        A prefill chunk of up to ``max_num_batched_tokens`` is allocated before the
+        tokens it pushes out of a window / chunk are freed, so a windowed group can
+        hold W - 1 + budget tokens (+ a straddling block). Example: Scout-shaped,
+        block 16, chunk 8192, budget 2048, 100k tokens: full 6250 + 3 × (cdiv(8192 +
+        2048, 16) + 1 = 641) = 8173 blocks.
+        """
+        budget = self.config.max_num_batched_tokens
+        total = 0
+        for group in self.kv.kv_cache_config.groups:
+            spec = group.spec
+            blocks = cdiv(num_tokens, spec.block_size)
+            if isinstance(spec, SlidingWindowSpec):
+                blocks = min(blocks, cdiv(spec.sliding_window - 1 + budget, spec.block_size) + 1)
+            elif isinstance(spec, ChunkedLocalAttentionSpec):
+                blocks = min(blocks, cdiv(spec.attention_chunk_size + budget, spec.block_size) + 1)
+            total += blocks
+        return total
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.is_finished:
+            raise UnknownRequestError(f"request {request_id!r} is not queued or running")
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.kv.free(seq.request)
+        else:
+            self.waiting.remove(seq)
+        self._finish(seq, FinishReason.ABORTED)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's work. Request progress is advanced as scheduled."""
+        kv = self.kv
+        budget = self.config.max_num_batched_tokens
+        max_len = self.config.max_model_len
+        work: list[tuple[Sequence, int, int]] = []  # (seq, computed before, new tokens)
+        preempted: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            req = seq.request
+            computed = req.num_computed_tokens
+            num_new = min(req.num_tokens - computed, budget, max_len - computed)
+            if num_new <= 0:
+                i += 1
+                continue
+            while kv.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            work.append((seq, computed, num_new))
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                req = seq.request
+                hit_blocks, num_hit = kv.get_computed_blocks(req)
+                num_new = min(req.num_tokens - num_hit, budget)
+                if kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
+                    if not self.running:
+                        raise PoolTooSmallError(
+                            f"request {req.request_id!r} does not fit an otherwise empty pool of "
+                            f"{self._usable_blocks} blocks"
+                        )
+                    break
+                self.waiting.popleft()
+                self.running.append(seq)
+                seq.status = SequenceStatus.RUNNING
+                seq.admitted_step = self.step_count
+                seq.num_cached_tokens = num_hit
+                req.num_computed_tokens = num_hit
+                work.append((seq, num_hit, num_new))
+                budget -= num_new
+
+        scheduled = []
+        for seq, computed, num_new in work:
+            req = seq.request
+            end = computed + num_new
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=req.request_id,
+                    token_ids=req.all_token_ids[computed:end],
+                    num_computed_tokens=computed,
+                    block_ids=kv.get_block_ids(req.request_id),
+                    sample=end == req.num_tokens,
+                    sampling=seq.sampling,
+                    num_output_tokens=req.num_output_tokens,
+                )
+            )
+            req.num_computed_tokens = end
+        output = SchedulerOutput(
+            step=self.step_count,
+            scheduled=tuple(scheduled),
+            finished_request_ids=tuple(self._finished_since_last),
+            preempted_request_ids=tuple(s.request_id for s in preempted),
+        )
+        self._finished_since_last = []
+        self.step_count += 1
+        return output
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq.request)
+        seq.request.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # --------------------------------------------------------------- results
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Append sampled tokens; finish and free requests that are done. Returns them."""
+        finished: list[Sequence] = []
+        max_len = self.config.max_model_len
+        for sr in output.scheduled:
+            if not sr.sample:
+                continue
+            seq = self.sequences.get(sr.request_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted or preempted since
+            try:
+                token = sampled[sr.request_id]
+            except KeyError:
+                raise InvalidArgumentError(f"the runner returned no token for {sr.request_id!r}") from None
+            req = seq.request
+            req.append_token_ids(token)
+            if seq.first_token_step is None:
+                seq.first_token_step = output.step
+            sp = seq.sampling
+            if token in sp.stop_token_ids:
+                reason = FinishReason.STOP
+            elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= max_len:
+                reason = FinishReason.LENGTH
+            else:
+                continue
+            self.kv.free(req)
+            self._finish(seq, reason)
+            finished.append(seq)
+        if finished:
+            done = {id(s) for s in finished}
+            self.running = [s for s in self.running if id(s) not in done]
+        return finished
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_step = self.step_count
+        self._finished_since_last.append(seq.request_id)
+        del self.sequences[seq.request_id]
+
+    def step(self, runner: ModelRunner) -> tuple[SchedulerOutput, list[Sequence]]:
+        """schedule → runner.execute → update_from_output."""
+        output = self.schedule()
+        sampled = runner.execute(output) if output.scheduled else {}
+        return output, self.update_from_output(output, sampled)
+
+    # ------------------------------------------------------------ invariants
+    def check_invariants(self) -> None:
+        """Queues and KV cache agree: running requests hold blocks, waiting ones none."""
+        running_ids = [s.request_id for s in self.running]
+        waiting_ids = [s.request_id for s in self.waiting]
+        if len(set(running_ids)) != len(running_ids) or len(set(waiting_ids)) != len(waiting_ids):
+            raise InvariantViolation("a request is twice in one queue")
+        if set(running_ids) & set(waiting_ids):
+            raise InvariantViolation(f"requests both waiting and running: {set(running_ids) & set(waiting_ids)}")
+        if set(running_ids) | set(waiting_ids) != set(self.sequences):
+            raise InvariantViolation("the queues and the request table disagree")
+        if len(self.running) > self.config.max_num_seqs:
+            raise InvariantViolation(f"{len(self.running)} running > max_num_seqs {self.config.max_num_seqs}")
+        for seq in self.running:
+            if seq.status is not SequenceStatus.RUNNING or not self.kv.has_request(seq.request_id):
+                raise InvariantViolation(f"running {seq} holds no blocks")
+        for seq in self.waiting:
+            if seq.status not in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED) or self.kv.has_request(seq.request_id):
+                raise InvariantViolation(f"waiting {seq} holds blocks")
+            if seq.request.num_computed_tokens != 0:
+                raise InvariantViolation(f"waiting {seq} has computed tokens")
+        self.kv.check_invariants()
