@@ -1,6 +1,7 @@
 """hybridkv: paged KV cache management for LLMs that mix attention types."""
 
-from hybridkv import errors
+from hybridkv import errors, planner
+from hybridkv.planner import MemoryPlan, plan_model
 from hybridkv.core.block_pool import BlockPool, KVCacheBlock
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
 from hybridkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -32,10 +33,13 @@ __all__ = [
     "KVCacheGroup",
     "KVCacheManager",
     "KVCacheSpec",
+    "MemoryPlan",
     "MultiModalFeature",
     "PrefixCacheStats",
     "Request",
     "SlidingWindowSpec",
     "errors",
+    "plan_model",
+    "planner",
     "__version__",
 ]

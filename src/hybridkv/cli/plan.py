@@ -1,0 +1,61 @@
+"""``hybridkv plan``: a model's KV cache layout under a memory budget, hybrid vs full.
+
+    hybridkv plan llama4-scout --memory 80GiB --max-model-len 1M
+    hybridkv plan path/to/config.json --memory 24GiB --max-model-len 128k --json
+
+CONFIG_OR_PRESET is a bundled preset (see ``hybridkv.planner.presets``), a
+``config.json`` path, or a directory holding one. Sizes: ``--memory`` takes explicit
+units (80GiB = 80 * 2**30, 80GB = 80 * 10**9); ``--max-model-len`` follows vLLM
+(1k = 1000, 1K = 1024, 1m = 10**6, 1M = 2**20) and defaults to the model's
+``max_position_embeddings``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from hybridkv.planner.plan import plan_model
+from hybridkv.planner.presets import preset_names
+from hybridkv.planner.report import plan_to_dict, render_plan
+
+__all__ = ["add_parser", "run"]
+
+DEFAULT_MEMORY = "80GiB"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan",
+        help="plan a model's KV cache layout for a memory budget",
+        description="Plan a model's KV cache layout under a memory budget, hybrid vs all-full attention.",
+        epilog=f"presets: {', '.join(preset_names())}",
+    )
+    parser.add_argument("config", metavar="CONFIG_OR_PRESET", help="preset name, config.json path, or model directory")
+    parser.add_argument("--memory", default=DEFAULT_MEMORY,
+                        help=f"KV cache memory budget, e.g. 80GiB, 80GB, 512MiB (default {DEFAULT_MEMORY})")
+    parser.add_argument("--max-model-len", default=None,
+                        help="tokens per request, e.g. 1M, 128k, 32768 (default: the model's max_position_embeddings)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    parser.add_argument("--dtype", default=None, help="KV cache dtype, e.g. bfloat16, fp8 (default: the config's)")
+    parser.add_argument("--no-hybrid", action="store_true",
+                        help="use the all-full-attention layout (hybrid KV cache management off)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = plan_model(
+        args.config,
+        memory=args.memory,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        dtype=args.dtype,
+        hybrid=not args.no_hybrid,
+    )
+    if args.json:
+        print(json.dumps(plan_to_dict(plan), indent=2))
+    else:
+        print(render_plan(plan))
+    return 0

@@ -1,0 +1,109 @@
+"""Typed reads from a Hugging Face ``config.json`` dict, with one-line errors.
+
+Multimodal configs nest the language model under ``text_config`` (Llama 4, Gemma 3);
+:class:`ConfigReader` reads keys from there when it exists (the dtype alone falls
+back to the top level; ``architectures`` / ``model_type`` are read by
+:func:`~hybridkv.planner.architectures.find_family`). A key that is absent
+takes the default of transformers' own config class (passed in as ``defaults``);
+a key with no such default is required, and its absence is an
+:class:`~hybridkv.errors.InvalidConfigError` naming the key and the file::
+
+    preset gemma-3-27b: text_config.num_hidden_layers is missing
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from hybridkv.errors import InvalidConfigError
+
+__all__ = ["ConfigReader", "REQUIRED"]
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+#: marks a key without a default
+REQUIRED: Any = _Required()
+
+
+class ConfigReader:
+    """Reads the language-model keys of ``config`` (its ``text_config`` if there is one)."""
+
+    def __init__(self, config: Mapping[str, Any], label: str, defaults: Mapping[str, Any] | None = None):
+        self.config = config
+        self.label = label
+        self.defaults = dict(defaults or {})
+        text = config.get("text_config")
+        if text is not None and not isinstance(text, dict):
+            raise InvalidConfigError(f"{label}: text_config must be a JSON object, got {type(text).__name__}")
+        self.text: Mapping[str, Any] = text if text is not None else config
+        self.prefix = "text_config." if text is not None else ""
+
+    def where(self, key: str) -> str:
+        """The key as a message names it: ``text_config.sliding_window``."""
+        return f"{self.prefix}{key}"
+
+    def fail(self, key: str, problem: str) -> InvalidConfigError:
+        return InvalidConfigError(f"{self.label}: {self.where(key)} {problem}")
+
+    def get(self, key: str, default: Any = REQUIRED) -> Any:
+        """The value of ``key``; else ``default``; else the family default; else an error."""
+        if key in self.text:
+            return self.text[key]
+        if default is not REQUIRED:
+            return default
+        if key in self.defaults:
+            return self.defaults[key]
+        raise self.fail(key, "is missing")
+
+    def positive_int(self, key: str, default: Any = REQUIRED) -> int:
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise self.fail(key, f"must be a positive integer, got {value!r}")
+        return value
+
+    def optional_positive_int(self, key: str, default: Any = REQUIRED) -> int | None:
+        """Like :meth:`positive_int`, but JSON ``null`` is allowed and gives None."""
+        value = self.get(key, default)
+        if value is None:
+            return None
+        return self.positive_int(key, value)
+
+    def non_negative_int(self, key: str, default: Any = REQUIRED) -> int:
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise self.fail(key, f"must be a non-negative integer, got {value!r}")
+        return value
+
+    def boolean(self, key: str, default: Any = REQUIRED) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise self.fail(key, f"must be true or false, got {value!r}")
+        return value
+
+    def list_of(self, key: str, item_type: type, length: int, default: Any = None) -> list | None:
+        """A list of ``length`` items of ``item_type``; None (or ``[]``) when absent or null."""
+        value = self.get(key, default)
+        if value is None or value == []:
+            return None
+        if not isinstance(value, list) or not all(
+            isinstance(v, item_type) and not (item_type is int and isinstance(v, bool)) for v in value
+        ):
+            raise self.fail(key, f"must be a list of {item_type.__name__}, got {value!r}")
+        if len(value) != length:
+            raise self.fail(key, f"has {len(value)} entries but the model has {length} layers")
+        return value
+
+    def dtype(self) -> str | None:
+        """``torch_dtype`` / ``dtype`` from text_config, then the top level; None when absent."""
+        for scope in (self.text, self.config):
+            for key in ("dtype", "torch_dtype"):
+                value = scope.get(key)
+                if value is not None:
+                    if not isinstance(value, str):
+                        raise InvalidConfigError(f"{self.label}: {key} must be a string, got {value!r}")
+                    return value
+        return None

@@ -1,0 +1,199 @@
+"""A plan as text (aligned plain-text tables) and as a JSON-ready dict."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from hybridkv.core.specs import KVCacheSpec
+from hybridkv.planner.plan import LayoutPlan, MemoryPlan
+from hybridkv.planner.sizes import format_bytes, format_tokens
+
+__all__ = ["render_plan", "plan_to_dict", "format_table"]
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> list[str]:
+    """Columns padded to their widest cell; ``align`` has one "l" or "r" per column."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [str(c).ljust(w) if a == "l" else str(c).rjust(w) for c, w, a in zip(cells, widths, align)]
+        return "  ".join(parts).rstrip()
+
+    return [line(headers)] + [line(r) for r in rows]
+
+
+def _attention(spec: KVCacheSpec) -> str:
+    if hasattr(spec, "sliding_window"):
+        return f"sliding_window ({spec.sliding_window})"
+    if hasattr(spec, "attention_chunk_size"):
+        return f"chunked_local ({spec.attention_chunk_size})"
+    return spec.kind
+
+
+def _layer_ids(layers: Sequence[int]) -> str:
+    if len(layers) <= 5:
+        return ", ".join(map(str, layers))
+    return f"{layers[0]}, {layers[1]}, {layers[2]}, ..., {layers[-1]}"
+
+
+def _context(tokens: int | None) -> str:
+    return "unbounded" if tokens is None else format_tokens(tokens)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _model_lines(plan: MemoryPlan) -> list[str]:
+    m = plan.model
+    counts: dict[str, int] = {}
+    for spec in m.specs:
+        counts[_attention(spec)] = counts.get(_attention(spec), 0) + 1
+    kinds = ", ".join(f"{n} {k}" for k, n in counts.items())
+    page = m.specs[0].page_size_bytes
+    max_pos = "" if m.max_position_embeddings is None else f" (model max {format_tokens(m.max_position_embeddings)})"
+    return [
+        f"model       {m.name} ({m.architecture})",
+        f"layers      {m.num_layers}: {kinds}",
+        f"kv cache    {m.num_kv_heads} KV heads x head_dim {m.head_dim}, {m.dtype}, "
+        f"block size {m.block_size} -> {format_bytes(page)} per layer per block",
+        f"budget      {format_bytes(plan.memory_bytes)} ({format_tokens(plan.memory_bytes)} bytes), "
+        f"max model len {format_tokens(plan.max_model_len)} tokens{max_pos}",
+    ]
+
+
+def _group_lines(layout: LayoutPlan) -> list[str]:
+    g = layout.grouping
+    title = (
+        f"KV cache groups ({layout.name} layout: group size {g.group_size}, "
+        f"padding {g.padding_layers} slots = {format_bytes(layout.padding_bytes_per_request)} per request)"
+    )
+    rows = [
+        [
+            str(i),
+            _attention(grp.spec),
+            str(len(grp.layers)),
+            str(grp.padding),
+            format_tokens(grp.spec.max_num_blocks(layout.max_model_len)),
+            format_tokens(grp.spec.max_num_tokens(layout.max_model_len)),
+            _layer_ids(grp.layers),
+        ]
+        for i, grp in enumerate(g.groups)
+    ]
+    headers = ["group", "attention", "layers", "padding", "blocks/request", "tokens/request", "layer ids"]
+    return [title] + format_table(headers, rows, "llrrrrl")
+
+
+def _layout_row(label: str, layout: LayoutPlan) -> list[str]:
+    g = layout.grouping
+    return [
+        label,
+        str(g.num_groups),
+        str(g.group_size),
+        format_bytes(layout.bytes_per_block),
+        format_tokens(layout.num_blocks),
+        format_tokens(layout.blocks_per_request),
+        f"{layout.max_concurrency:.2f}x",
+        _context(layout.max_context_tokens),
+    ]
+
+
+def render_plan(plan: MemoryPlan) -> str:
+    """The human-readable report ``hybridkv plan`` prints."""
+    layout = plan.layout
+    lines = _model_lines(plan) + [""] + _group_lines(layout) + [""]
+    headers = ["layout", "groups", "layers/group", "bytes/block", "blocks", "blocks/request",
+               f"concurrency @ {format_tokens(plan.max_model_len)}", "largest context"]
+    rows = [_layout_row("hybrid", plan.hybrid), _layout_row("full only", plan.full)]
+    rows.append(["hybrid / full", "", "", "", "", "", _ratio(plan.concurrency_ratio), _ratio(plan.context_ratio)])
+    lines += format_table(headers, rows, "lrrrrrrr")
+    lines.append("")
+    state = "hybrid" if plan.hybrid_enabled else "full only (--no-hybrid: every layer as full attention)"
+    lines.append(
+        f"in use: {state}: {format_tokens(layout.num_blocks)} blocks (block 0 is the null block), "
+        f"{layout.grouping.group_size} tensors of {format_bytes(layout.num_blocks * layout.grouping.page_size_bytes)}"
+        f" = {format_tokens(layout.kv_cache_bytes)} bytes"
+    )
+    max_pos = plan.model.max_position_embeddings
+    if max_pos is not None and plan.max_model_len > max_pos:
+        lines.append(
+            f"note: max model len {format_tokens(plan.max_model_len)} exceeds the model's "
+            f"max_position_embeddings ({format_tokens(max_pos)})"
+        )
+    if layout.max_num_requests < 1:
+        lines.append(
+            f"warning: one request of {format_tokens(plan.max_model_len)} tokens needs "
+            f"{format_tokens(layout.blocks_per_request)} blocks but {format_tokens(layout.usable_blocks)} are usable; "
+            f"the largest that fits is {_context(layout.max_context_tokens)} tokens"
+        )
+    return "\n".join(lines)
+
+
+def _spec_dict(spec: KVCacheSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": spec.kind}
+    for key in ("sliding_window", "attention_chunk_size"):
+        if hasattr(spec, key):
+            out[key] = getattr(spec, key)
+    out.update(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+               dtype=spec.dtype, page_size_bytes=spec.page_size_bytes)
+    return out
+
+
+def _layout_dict(layout: LayoutPlan) -> dict[str, Any]:
+    g = layout.grouping
+    n = layout.max_model_len
+    return {
+        "group_size": g.group_size,
+        "num_groups": g.num_groups,
+        "page_size_bytes": g.page_size_bytes,
+        "bytes_per_block": layout.bytes_per_block,
+        "num_blocks": layout.num_blocks,
+        "usable_blocks": layout.usable_blocks,
+        "kv_cache_bytes": layout.kv_cache_bytes,
+        "blocks_per_request": layout.blocks_per_request,
+        "max_concurrency": layout.max_concurrency,
+        "max_num_requests": layout.max_num_requests,
+        "max_context_tokens": layout.max_context_tokens,
+        "padding_layers": g.padding_layers,
+        "padding_bytes_per_request": layout.padding_bytes_per_request,
+        "groups": [
+            {
+                "spec": _spec_dict(grp.spec),
+                "layers": list(grp.layers),
+                "padding": grp.padding,
+                "blocks_per_request": grp.spec.max_num_blocks(n),
+                "tokens_per_request": grp.spec.max_num_tokens(n),
+            }
+            for grp in g.groups
+        ],
+        "tensors": [
+            {"position": t.position, "layers": list(t.layer_names), "size_bytes": t.size_bytes} for t in layout.tensors
+        ],
+    }
+
+
+def plan_to_dict(plan: MemoryPlan) -> dict[str, Any]:
+    """Everything in the report, as plain JSON types (``max_context_tokens`` null: unbounded)."""
+    m = plan.model
+    return {
+        "model": {
+            "name": m.name,
+            "family": m.family,
+            "architecture": m.architecture,
+            "num_layers": m.num_layers,
+            "num_kv_heads": m.num_kv_heads,
+            "head_dim": m.head_dim,
+            "dtype": m.dtype,
+            "block_size": m.block_size,
+            "max_position_embeddings": m.max_position_embeddings,
+            "layer_types": [s.kind for s in m.specs],
+        },
+        "memory_bytes": plan.memory_bytes,
+        "max_model_len": plan.max_model_len,
+        "hybrid_enabled": plan.hybrid_enabled,
+        "layout_in_use": plan.layout.name,
+        "hybrid": _layout_dict(plan.hybrid),
+        "full": _layout_dict(plan.full),
+        "concurrency_ratio": plan.concurrency_ratio,
+        "context_ratio": plan.context_ratio,
+    }
