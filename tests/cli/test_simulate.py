@@ -1,0 +1,46 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hybridkv.cli import main
+
+
+def test_simulate_table(capsys):
+    assert main(["simulate", "llama4-scout", "--memory", "8GiB", "--workload", "long-doc", "--num-requests", "8",
+                 "--max-model-len", "64K", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "steps to finish" in out and "hybrid" in out and "full / hybrid steps" in out
+
+
+def test_simulate_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sim.png"
+    assert main(["simulate", "gemma-3-27b", "--memory", "4GiB", "--workload", "chat", "--num-requests", "6",
+                 "--json", "--plot", str(png), "--no-progress"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["layout"] for r in data["results"]] == ["hybrid", "full"]
+    assert all(r["finished"] == 6 for r in data["results"])
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_trace_file(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"prompt": [1, 2, 3], "output_len": 3}\n{"arrival": 2, "prompt_len": 40, "output_len": 2}\n')
+    assert main(["simulate", "mistral-7b", "--memory", "1GiB", "--workload", str(trace), "--json", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["finished"] == 2
+
+
+def test_bad_trace_line_is_one_line_error_exit_2(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"prompt": [1], "output_len": 1}\n{"prompt": [1], "output_len": "many"}\n')
+    proc = subprocess.run([sys.executable, "-m", "hybridkv", "simulate", "mistral-7b", "--workload", str(trace)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and f"{trace}:2:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unknown_workload(capsys):
+    assert main(["simulate", "mistral-7b", "--workload", "bursty"]) == 2
+    assert "unknown workload 'bursty'" in capsys.readouterr().err
