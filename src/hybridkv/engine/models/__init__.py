@@ -1,0 +1,71 @@
+"""Model families for HF checkpoints, one module each, and the registry that picks one.
+
+``load_model(model_dir)`` reads ``config.json``, picks the class by
+``architectures[0]`` (falling back to ``model_type``) and loads the safetensors
+weights by HF name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from hybridkv.engine.models.base import CausalLM
+from hybridkv.engine.models.gemma3 import Gemma3ForCausalLM
+from hybridkv.engine.models.gpt_oss import GptOssForCausalLM
+from hybridkv.engine.models.llama import LlamaForCausalLM
+from hybridkv.engine.models.llama4 import Llama4ForCausalLM
+from hybridkv.engine.models.mistral import MistralForCausalLM
+from hybridkv.engine.models.qwen2 import Qwen2ForCausalLM
+from hybridkv.engine.models.weights import read_config
+from hybridkv.errors import UnknownArchitectureError
+
+__all__ = [
+    "CausalLM",
+    "MODEL_CLASSES",
+    "ARCHITECTURES",
+    "MODEL_TYPES",
+    "model_class_for",
+    "load_model",
+    "LlamaForCausalLM",
+    "Llama4ForCausalLM",
+    "Gemma3ForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "GptOssForCausalLM",
+]
+
+MODEL_CLASSES: tuple[type[CausalLM], ...] = (
+    LlamaForCausalLM,
+    Llama4ForCausalLM,
+    Gemma3ForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    GptOssForCausalLM,
+)
+
+#: HF ``architectures[0]`` -> class
+ARCHITECTURES: dict[str, type[CausalLM]] = {a: cls for cls in MODEL_CLASSES for a in cls.architectures}
+#: HF ``model_type`` -> class
+MODEL_TYPES: dict[str, type[CausalLM]] = {t: cls for cls in MODEL_CLASSES for t in cls.model_types}
+
+
+def model_class_for(config: Mapping[str, Any]) -> type[CausalLM]:
+    """The class for ``config``: by ``architectures[0]``, else by ``model_type``."""
+    archs = config.get("architectures") or []
+    if archs and archs[0] in ARCHITECTURES:
+        return ARCHITECTURES[archs[0]]
+    model_type = config.get("model_type")
+    if not archs and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    named = archs[0] if archs else model_type
+    raise UnknownArchitectureError(
+        f"unsupported architecture {named!r}; supported architectures: {sorted(ARCHITECTURES)} "
+        f"(model types {sorted(MODEL_TYPES)})"
+    )
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> CausalLM:
+    """Build the model of ``model_dir`` and load its weights."""
+    config = read_config(model_dir)
+    return model_class_for(config).from_config(config, model_dir, dtype=dtype, device=device)

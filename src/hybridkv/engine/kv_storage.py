@@ -1,0 +1,215 @@
+"""Paged KV storage: the tensors that hold every layer's keys and values.
+
+Layout (as the planner produces it): ``G`` KV cache groups, group ``g`` a list of
+layer indices. All groups draw block ids from one pool, so a block id is owned by
+at most one group at a time, and the layers at the same *position* ``j`` of
+different groups can share one tensor: tensor ``j`` holds layer ``groups[g][j]``'s
+KV for the blocks group ``g`` owns. ``P = max(len(group))`` tensors in all::
+
+    groups = [[3, 7], [0, 4], [1, 5], [2, 6]]      # Llama-4 shaped, 8 layers
+    tensor 0: layers 3, 0, 1, 2     tensor 1: layers 7, 4, 5, 6
+
+Each tensor is ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K then V).
+A *slot* is ``block_id * block_size + offset``. Block 0 is the null block: it is
+never written (a write to a slot below ``block_size`` is refused) and the attention
+never gathers it (checked in :mod:`hybridkv.engine.attention`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from hybridkv.errors import InvalidArgumentError, InvalidConfigError, InvariantViolation
+
+__all__ = ["PagedKVStorage", "NULL_BLOCK_ID", "torch_dtype", "layer_index"]
+
+#: the shared null block; stands for tokens no query may attend to
+NULL_BLOCK_ID = 0
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; a torch dtype passes through."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except (KeyError, TypeError):
+        raise InvalidConfigError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def layer_index(name: int | str) -> int:
+    """Layer index of a core layer name: ``3``, ``"3"`` or ``"model.layers.3.self_attn"`` -> 3."""
+    if isinstance(name, int) and not isinstance(name, bool):
+        return name
+    if isinstance(name, str):
+        for part in name.split("."):
+            if part.isdigit():
+                return int(part)
+    raise InvalidConfigError(f"cannot tell the layer index of layer name {name!r}")
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidConfigError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class PagedKVStorage:
+    """``P`` shared KV tensors for ``G`` groups of layers, addressed by slot.
+
+    Args:
+        groups: ``groups[g]`` = the layer indices of group ``g``; layer ``groups[g][j]``
+            lives in tensor ``j``. Every layer appears exactly once.
+        block_size: tokens per block.
+        num_blocks: blocks per tensor, the null block 0 included (so ``>= 2``).
+        num_kv_heads, head_size: per-layer KV shape (equal for all layers).
+        dtype: element type (a name such as ``"bfloat16"`` or a torch dtype).
+        debug: check every write for null-block slots (one reduction per write).
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[int]],
+        block_size: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        debug: bool = True,
+    ) -> None:
+        self.block_size = _positive_int("block_size", block_size)
+        self.num_blocks = _positive_int("num_blocks", num_blocks)
+        if num_blocks < 2:
+            raise InvalidConfigError(f"num_blocks must be >= 2 (null block + one usable), got {num_blocks}")
+        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
+        self.head_size = _positive_int("head_size", head_size)
+        self.dtype = torch_dtype(dtype)
+        self.device = torch.device(device)
+        self.debug = debug
+
+        self.groups: tuple[tuple[int, ...], ...] = tuple(tuple(g) for g in groups)
+        if not self.groups or any(len(g) == 0 for g in self.groups):
+            raise InvalidConfigError(f"every KV cache group needs at least one layer, got {self.groups}")
+        #: layer index -> (group id, position = index of its tensor)
+        self.layer_to_group_position: dict[int, tuple[int, int]] = {}
+        for g, layers in enumerate(self.groups):
+            for j, layer in enumerate(layers):
+                if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+                    raise InvalidConfigError(f"layer indices must be non-negative ints, got {layer!r}")
+                if layer in self.layer_to_group_position:
+                    raise InvalidConfigError(f"layer {layer} appears in more than one KV cache group")
+                self.layer_to_group_position[layer] = (g, j)
+
+        num_positions = max(len(g) for g in self.groups)
+        # kv_caches[j]: [2 (K, V), num_blocks, block_size, num_kv_heads, head_size]
+        self.kv_caches: list[torch.Tensor] = [
+            torch.zeros(
+                2, num_blocks, block_size, num_kv_heads, head_size, dtype=self.dtype, device=self.device
+            )
+            for _ in range(num_positions)
+        ]
+
+    @classmethod
+    def from_kv_cache_config(
+        cls, config, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None, debug: bool = True
+    ) -> "PagedKVStorage":
+        """Storage for a core ``KVCacheConfig`` (groups of layer names, one spec each, ``num_blocks``)."""
+        specs = [g.spec for g in config.groups]
+        shapes = {(s.num_kv_heads, s.head_size, s.dtype) for s in specs}
+        if len(shapes) != 1:
+            raise InvalidConfigError(f"all KV cache groups must share heads / head size / dtype, got {sorted(shapes)}")
+        heads, head_size, spec_dtype = shapes.pop()
+        groups = [[layer_index(n) for n in g.layer_names] for g in config.groups]
+        return cls(groups, specs[0].block_size, config.num_blocks, heads, head_size,
+                   dtype=dtype or spec_dtype, device=device, debug=debug)
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.kv_caches)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_to_group_position)
+
+    def group_of(self, layer: int) -> int:
+        """The KV cache group of ``layer`` (whose block table addresses it)."""
+        return self._locate(layer)[0]
+
+    def kv_cache(self, layer: int) -> torch.Tensor:
+        """The ``[2, num_blocks, block_size, H, D]`` tensor that holds ``layer``."""
+        return self.kv_caches[self._locate(layer)[1]]
+
+    def flat_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s K and V viewed by slot: two ``[num_blocks * block_size, H, D]`` views."""
+        cache = self.kv_cache(layer)
+        flat = cache.view(2, self.num_blocks * self.block_size, self.num_kv_heads, self.head_size)
+        return flat[0], flat[1]
+
+    def _locate(self, layer: int) -> tuple[int, int]:
+        try:
+            return self.layer_to_group_position[layer]
+        except KeyError:
+            raise InvalidArgumentError(
+                f"layer {layer!r} has no KV cache; known layers {sorted(self.layer_to_group_position)}"
+            ) from None
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id names across all tensors (K and V, every position)."""
+        per_tensor = 2 * self.block_size * self.num_kv_heads * self.head_size * self.kv_caches[0].element_size()
+        return per_tensor * self.num_positions
+
+    # ------------------------------------------------------------------- write
+    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store new K/V of ``layer``: token ``t`` goes to slot ``slot_mapping[t]``.
+
+        slot_mapping: [T] int64, key / value: [T, num_kv_heads, head_size].
+        """
+        if key.shape != value.shape or key.shape[1:] != (self.num_kv_heads, self.head_size):
+            raise InvalidArgumentError(
+                f"key/value must be [T, {self.num_kv_heads}, {self.head_size}], got "
+                f"{tuple(key.shape)} and {tuple(value.shape)}"
+            )
+        if slot_mapping.shape != (key.shape[0],):
+            raise InvalidArgumentError(
+                f"slot_mapping must be [T={key.shape[0]}], got {tuple(slot_mapping.shape)}"
+            )
+        if self.debug and slot_mapping.numel():
+            lo = int(slot_mapping.min())
+            hi = int(slot_mapping.max())
+            if lo < self.block_size:
+                raise InvariantViolation(f"write to the null block (slot {lo}) in layer {layer}")
+            if hi >= self.num_blocks * self.block_size:
+                raise InvariantViolation(
+                    f"slot {hi} beyond the pool ({self.num_blocks} blocks of {self.block_size}) in layer {layer}"
+                )
+        k_flat, v_flat = self.flat_kv(layer)  # [num_blocks * block_size, H, D]
+        k_flat.index_copy_(0, slot_mapping, key.to(self.dtype))
+        v_flat.index_copy_(0, slot_mapping, value.to(self.dtype))
+
+    def fill_blocks(self, block_ids: Sequence[int], value: float) -> None:
+        """Overwrite whole blocks in every tensor (tests poison freed blocks with NaN)."""
+        if not block_ids:
+            return
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            cache.index_fill_(1, idx, value)

@@ -1,0 +1,91 @@
+"""Runs one :class:`~hybridkv.scheduler.interface.SchedulerOutput` on a model.
+
+The runner is stateless between steps: everything a step needs (tokens,
+positions, block tables per group) is in the scheduler output, and the KV lives in
+the :class:`PagedKVStorage`. A step:
+
+1. flattens the scheduled requests into ``T`` tokens (varlen, request order);
+2. builds :class:`AttentionMetadata` (slot mappings + gather plans per group);
+3. runs the model, computes logits only at the last token of each request with
+   ``sample=True``, and samples one token per such request.
+
+``last_logits`` keeps those logits (``{request_id: [vocab]}``) for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridkv.engine.attention import AttentionMetadata
+from hybridkv.engine.kv_storage import PagedKVStorage
+from hybridkv.engine.models.base import CausalLM
+from hybridkv.engine.sampling import Sampler
+from hybridkv.errors import InvalidArgumentError, InvalidConfigError
+from hybridkv.scheduler.interface import SchedulerOutput
+
+__all__ = ["PagedModelRunner"]
+
+
+class PagedModelRunner:
+    """A :class:`~hybridkv.scheduler.interface.ModelRunner` over a model and its paged KV."""
+
+    def __init__(self, model: CausalLM, storage: PagedKVStorage, seed: int = 0) -> None:
+        if set(storage.layer_to_group_position) != set(range(model.num_layers)):
+            raise InvalidConfigError(
+                f"the KV storage covers layers {sorted(storage.layer_to_group_position)}, "
+                f"the model has layers 0..{model.num_layers - 1}"
+            )
+        if (storage.num_kv_heads, storage.head_size) != (model.num_kv_heads, model.head_dim):
+            raise InvalidConfigError(
+                f"KV storage is {storage.num_kv_heads} heads x {storage.head_size}, "
+                f"the model needs {model.num_kv_heads} x {model.head_dim}"
+            )
+        for g, layers in enumerate(storage.groups):
+            kinds = {model.attention_type(i) for i in layers}
+            if len(kinds) != 1:
+                raise InvalidConfigError(f"KV cache group {g} mixes attention types {sorted(k.as_tuple() for k in kinds)}")
+        self.model = model
+        self.storage = storage
+        self.sampler = Sampler(seed)
+        self.last_logits: dict[str, torch.Tensor] = {}
+        self.device = storage.device
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        """Compute the step; return request id -> sampled token for requests with ``sample``."""
+        self.last_logits = {}
+        reqs = output.scheduled
+        if not reqs:
+            return {}
+        seen: set[str] = set()
+        for r in reqs:
+            if r.request_id in seen:
+                raise InvalidArgumentError(f"request {r.request_id!r} is scheduled twice in step {output.step}")
+            seen.add(r.request_id)
+            if len(r.token_ids) == 0:
+                raise InvalidArgumentError(f"request {r.request_id!r} is scheduled with no tokens")
+        meta = AttentionMetadata.build(
+            self.storage,
+            [r.num_computed_tokens for r in reqs],
+            [len(r.token_ids) for r in reqs],
+            [r.block_ids for r in reqs],
+        )
+        flat_ids = [t for r in reqs for t in r.token_ids]
+        input_ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)  # [T]
+        vocab = self.model.vocab_size
+        if min(flat_ids) < 0 or max(flat_ids) >= vocab:
+            raise InvalidArgumentError(f"token ids must be in [0, {vocab}), got {min(flat_ids)}..{max(flat_ids)}")
+
+        hidden = self.model(input_ids, meta.positions, meta)  # [T, hidden]
+
+        sampled = [i for i, r in enumerate(reqs) if r.sample]
+        if not sampled:
+            return {}
+        ends = torch.cumsum(meta.q_len, 0) - 1  # [S] flat index of each request's last token
+        logits = self.model.compute_logits(hidden[ends[sampled]])  # [N, vocab]
+        result: dict[str, int] = {}
+        for row, i in enumerate(sampled):
+            r = reqs[i]
+            self.last_logits[r.request_id] = logits[row]
+            result[r.request_id] = self.sampler.sample(logits[row], r.sampling, r.num_output_tokens)
+        return result

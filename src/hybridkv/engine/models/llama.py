@@ -1,0 +1,161 @@
+"""Llama (``LlamaForCausalLM``) and the pieces the other families reuse.
+
+Decoder layer (HF ``modeling_llama``)::
+
+    h = h + o_proj(attn(rope(q_proj(norm1(h))), rope(k_proj(..)), v_proj(..)))
+    h = h + down_proj(act(gate_proj(norm2(h))) * up_proj(norm2(h)))
+
+All layers are full attention. Mistral and Qwen2 subclass this with sliding layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from hybridkv.engine.attention import FULL, AttentionMetadata, AttentionType, paged_attention
+from hybridkv.engine.models.base import CausalLM, activation, require
+from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half, rope_parameters
+
+__all__ = ["RMSNorm", "GatedMLP", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "DecoderStack"]
+
+Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * w`` in fp32; ``unit_offset`` (Gemma) uses ``(1 + w)``."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaAttention(nn.Module):
+    """q/k/v/o projections + rotate-half RoPE + paged attention of one layer."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        layer_idx: int,
+        attn_type: AttentionType,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        rope_name: str = "default",
+    ) -> None:
+        super().__init__()
+        h, d = model.hidden_size, model.head_dim
+        self.layer_idx = layer_idx
+        self.attn_type = attn_type
+        self.num_heads, self.num_kv_heads, self.head_dim = model.num_heads, model.num_kv_heads, d
+        self.scale = d**-0.5
+        self.rope_name = rope_name
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=o_bias)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, Hq, D], k / v [T, Hkv, D]."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, **kw) -> torch.Tensor:
+        """Paged attention, then o_proj: -> [T, hidden]."""
+        out = paged_attention(q, k, v, meta, self.layer_idx, self.attn_type, self.scale, **kw)  # [T, Hq, D]
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.project(x)
+        cos, sin = rope[self.rope_name]
+        q, k = apply_rotate_half(q, cos, sin), apply_rotate_half(k, cos, sin)
+        return self.attend(q, k, v, meta)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention + pre-norm MLP, residual around each."""
+
+    def __init__(self, model: CausalLM, self_attn: nn.Module, mlp: nn.Module, eps: float) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(model.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(model.hidden_size, eps)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, rope, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    """HF's ``model.``: ``embed_tokens``, ``layers``, ``norm``."""
+
+    def __init__(self, vocab: int, hidden: int, layers: list[nn.Module], norm: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama 2 / 3 / 3.1 (rope default, linear or llama3). All layers full attention."""
+
+    architectures = ("LlamaForCausalLM",)
+    model_types = ("llama",)
+    default_rope_theta = 10000.0
+    qkv_bias_default = False
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        self.eps = float(config.get("rms_norm_eps", 1e-6))
+        self.rotaries["default"] = RotaryEmbedding(
+            rope_parameters(config, self.default_rope_theta), self.head_dim, self.max_position_embeddings
+        )
+        layers = [self._make_layer(i) for i in range(self.num_layers)]
+        self.model = DecoderStack(self.vocab_size, self.hidden_size, layers, RMSNorm(self.hidden_size, self.eps))
+        self._build_head()
+
+    def attention_type(self, layer_idx: int) -> AttentionType:
+        return FULL
+
+    def _qkv_bias(self) -> tuple[bool, bool]:
+        bias = bool(self.config.get("attention_bias", self.qkv_bias_default))
+        return bias, bias
+
+    def _make_layer(self, i: int) -> nn.Module:
+        qkv_bias, o_bias = self._qkv_bias()
+        attn = LlamaAttention(self, i, self.attention_type(i), qkv_bias=qkv_bias, o_bias=o_bias)
+        mlp = GatedMLP(
+            self.hidden_size,
+            require(self.config, "intermediate_size"),
+            self.config.get("hidden_act", "silu"),
+            bias=bool(self.config.get("mlp_bias", False)),
+        )
+        return LlamaDecoderLayer(self, attn, mlp, self.eps)

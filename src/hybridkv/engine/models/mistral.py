@@ -1,0 +1,32 @@
+"""Mistral (``MistralForCausalLM``): Llama with every layer sliding when set.
+
+HF 5.24 ``MistralModel`` builds one mask for all layers:
+``create_sliding_window_causal_mask`` when ``config.sliding_window`` is not None
+(key k visible from query p iff ``p - W < k <= p``), else the causal mask. Mistral
+ignores ``layer_types`` (HF warns and uses the single mask).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from hybridkv.engine.attention import FULL, AttentionType
+from hybridkv.engine.models.llama import LlamaForCausalLM
+
+__all__ = ["MistralForCausalLM"]
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    architectures = ("MistralForCausalLM",)
+    model_types = ("mistral",)
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        window = config.get("sliding_window")
+        self._attn = AttentionType("sliding", int(window)) if window is not None else FULL
+        super().__init__(config)
+
+    def attention_type(self, layer_idx: int) -> AttentionType:
+        return self._attn
+
+    def _qkv_bias(self) -> tuple[bool, bool]:
+        return False, False

@@ -1,0 +1,140 @@
+"""Rotary position embeddings as HF transformers 5.24 computes them.
+
+Inverse frequencies for ``rope_type`` default / linear / llama3 / yarn (the types
+the supported families ship with), read from a config's ``rope_parameters`` (new
+format) or ``rope_theta`` + ``rope_scaling`` (old format). Two ways to rotate:
+
+* ``apply_rotate_half`` - Llama, Mistral, Qwen2, Gemma 3, GPT-OSS: dims ``i`` and
+  ``i + D/2`` form a pair;
+* ``apply_interleaved`` - Llama 4: dims ``2i`` and ``2i + 1`` form a pair (HF views
+  them as one complex number).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+
+from hybridkv.errors import InvalidConfigError
+
+__all__ = ["rope_parameters", "inv_freq_and_scale", "RotaryEmbedding", "apply_rotate_half", "apply_interleaved"]
+
+
+def rope_parameters(config: Mapping[str, Any], default_theta: float, sub_key: str | None = None) -> dict:
+    """The rope parameter dict of ``config`` (``sub_key`` selects a per-layer-type entry)."""
+    params = config.get("rope_parameters")
+    if params is not None and sub_key is not None:
+        params = params.get(sub_key)
+    if params is None:
+        params = dict(config.get("rope_scaling") or {})
+        if "type" in params and "rope_type" not in params:
+            params["rope_type"] = params.pop("type")
+        params.setdefault("rope_theta", config.get("rope_theta", default_theta))
+    params = dict(params)
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", default_theta)
+    return params
+
+
+def inv_freq_and_scale(params: Mapping[str, Any], head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [head_dim // 2], attention_scaling)`` exactly as HF's ROPE_INIT_FUNCTIONS."""
+    rope_type = params.get("rope_type", "default")
+    base = float(params["rope_theta"])
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise InvalidConfigError("partial_rotary_factor != 1 is not supported")
+    dim = head_dim
+    if rope_type == "default":
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)), 1.0
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / dim
+    if rope_type == "linear":
+        return (1.0 / (base**exponents)) / float(params["factor"]), 1.0
+    if rope_type == "llama3":
+        inv_freq = 1.0 / (base**exponents)
+        factor = params["factor"]
+        low_freq_factor = params["low_freq_factor"]
+        high_freq_factor = params["high_freq_factor"]
+        old_context_len = params["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, inv_freq_llama), 1.0
+    if rope_type == "yarn":
+        return _yarn(params, base, dim, max_position_embeddings)
+    raise InvalidConfigError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3, yarn")
+
+
+def _yarn(params: Mapping[str, Any], base: float, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+    factor = params.get("factor")
+    original = params["original_max_position_embeddings"]
+    if factor is None:
+        factor = max_pos / original
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    extra_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extra_factor) + extrapolation * extra_factor
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding:
+    """cos / sin tables for given positions; ``inv_freq`` [D/2]."""
+
+    def __init__(self, params: Mapping[str, Any], head_dim: int, max_position_embeddings: int) -> None:
+        self.inv_freq, self.attention_scaling = inv_freq_and_scale(params, head_dim, max_position_embeddings)
+
+    def freqs(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [T] -> angles [T, D/2] (fp32)."""
+        return positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, D/2] scaled by ``attention_scaling``."""
+        f = self.freqs(positions)
+        return (f.cos() * self.attention_scaling).to(dtype), (f.sin() * self.attention_scaling).to(dtype)
+
+
+def apply_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos / sin [T, D/2]: pairs (i, i + D/2) rotated by angle i."""
+    c = cos.unsqueeze(1)  # [T, 1, D/2]
+    s = sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def apply_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos / sin [T, D/2]: pairs (2i, 2i + 1) rotated by angle i (complex product)."""
+    xf = x.float().reshape(*x.shape[:-1], -1, 2)  # [T, H, D/2, 2]
+    re, im = xf[..., 0], xf[..., 1]
+    c = cos.float().unsqueeze(1)  # [T, 1, D/2]
+    s = sin.float().unsqueeze(1)
+    out = torch.stack((re * c - im * s, re * s + im * c), dim=-1)
+    return out.flatten(-2).to(x.dtype)

@@ -1,0 +1,113 @@
+"""Reading an HF checkpoint directory: ``config.json`` and safetensors weights.
+
+Weights are matched to a module's ``state_dict()`` by their HF names. Every tensor
+of the checkpoint must be used and every parameter must be found; anything else is
+a :class:`~hybridkv.errors.WeightLoadError` that lists the names. The only allowed
+gap is ``lm_head.weight`` when the config ties it to the input embedding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from hybridkv.errors import InvalidConfigError, WeightLoadError
+
+__all__ = ["read_config", "checkpoint_files", "load_weights"]
+
+_MAX_LISTED = 12
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of ``model_dir``."""
+    path = Path(model_dir) / "config.json"
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise InvalidConfigError(f"no config.json in {model_dir}") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidConfigError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise InvalidConfigError(f"{path}: expected a JSON object")
+    return config
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of ``model_dir``: the sharded index's files, or all ``*.safetensors``."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise WeightLoadError(f"{index}: malformed safetensors index ({exc})") from None
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise WeightLoadError(f"shards named by {index} are missing: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def _listing(names: Iterable[str]) -> str:
+    names = sorted(names)
+    shown = ", ".join(names[:_MAX_LISTED])
+    if len(names) > _MAX_LISTED:
+        shown += f", ... ({len(names) - _MAX_LISTED} more)"
+    return shown
+
+
+def load_weights(
+    module: torch.nn.Module,
+    model_dir: str | Path,
+    tied: dict[str, str] | None = None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Copy the checkpoint of ``model_dir`` into ``module``'s parameters by name.
+
+    ``tied`` maps a parameter that may be absent to the one it shares storage with
+    (``{"lm_head.weight": "model.embed_tokens.weight"}``); the module must already
+    tie them. Raises WeightLoadError for unknown, missing or misshaped tensors.
+    """
+    from safetensors import safe_open
+
+    tied = tied or {}
+    params = module.state_dict(keep_vars=True)
+    seen: set[str] = set()
+    unknown: list[str] = []
+    misshaped: list[str] = []
+    for path in checkpoint_files(model_dir):
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except Exception as exc:  # safetensors raises its own error types
+            raise WeightLoadError(f"cannot read {path}: {exc}") from None
+        with handle as f:
+            for name in f.keys():
+                target = params.get(name)
+                if target is None:
+                    unknown.append(name)
+                    continue
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(target.shape):
+                    misshaped.append(f"{name} {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+                    continue
+                with torch.no_grad():
+                    target.data.copy_(tensor.to(dtype or target.dtype))
+                seen.add(name)
+    missing = [n for n in params if n not in seen and not (n in tied and tied[n] in seen)]
+    problems = []
+    if unknown:
+        problems.append(f"unknown tensors: {_listing(unknown)}")
+    if missing:
+        problems.append(f"missing tensors: {_listing(missing)}")
+    if misshaped:
+        problems.append(f"misshaped tensors: {_listing(misshaped)}")
+    if problems:
+        raise WeightLoadError(f"{model_dir}: " + "; ".join(problems))

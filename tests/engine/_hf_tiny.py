@@ -1,0 +1,160 @@
+"""Tiny random HF models for parity tests, built from configs (no downloads).
+
+Each model is made with transformers (fp32, fixed seed), its weights re-drawn
+larger than HF's init (std 0.02 makes attention nearly uniform and would hide
+mask bugs), norm weights / biases / sinks perturbed so every tensor matters, then
+saved with ``save_pretrained`` (safetensors) for our loader.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
+def _llama():
+    # llama3 rope scaling with a short original context so the smoothing is exercised
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    return tf.LlamaConfig(**COMMON, num_hidden_layers=4, rope_parameters=rope), tf.LlamaForCausalLM
+
+
+def _llama4_dense():
+    # 6 layers: 0,1,2,4,5 chunked RoPE, 3 NoPE global; chunk 20 (not a multiple of block 8)
+    cfg = tf.Llama4TextConfig(
+        **COMMON,
+        num_hidden_layers=6,
+        head_dim=16,
+        intermediate_size_mlp=80,
+        attention_chunk_size=20,
+        moe_layers=[],
+        floor_scale=8,
+        attn_scale=0.5,
+    )
+    return cfg, tf.Llama4ForCausalLM
+
+
+def _llama4_moe():
+    cfg = tf.Llama4TextConfig(
+        **COMMON,
+        num_hidden_layers=4,
+        head_dim=16,
+        intermediate_size_mlp=80,
+        attention_chunk_size=16,
+        moe_layers=[1, 3],
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        floor_scale=8,
+        attn_scale=0.5,
+    )
+    return cfg, tf.Llama4ForCausalLM
+
+
+def _gemma3():
+    cfg = tf.Gemma3TextConfig(
+        **COMMON,
+        num_hidden_layers=6,
+        head_dim=16,
+        sliding_window=12,
+        sliding_window_pattern=3,  # s s f s s f
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=5.0,
+        # HF 5.24 Gemma3 ignores this (never passed to the attention); a biting value
+        # makes the test fail if we ever apply it where HF does not
+        attn_logit_softcapping=2.0,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    )
+    return cfg, tf.Gemma3ForCausalLM
+
+
+def _mistral():
+    return tf.MistralConfig(**COMMON, num_hidden_layers=4, sliding_window=10), tf.MistralForCausalLM
+
+
+def _qwen2():
+    cfg = tf.Qwen2Config(**COMMON, num_hidden_layers=4, use_sliding_window=True, sliding_window=16, max_window_layers=2)
+    return cfg, tf.Qwen2ForCausalLM
+
+
+def _gpt_oss():
+    cfg = tf.GptOssConfig(
+        **COMMON, num_hidden_layers=4, head_dim=16, sliding_window=12, num_local_experts=4, num_experts_per_tok=2
+    )
+    return cfg, tf.GptOssForCausalLM
+
+
+CONFIGS = {
+    "llama": _llama,
+    "llama4_dense": _llama4_dense,
+    "llama4_moe": _llama4_moe,
+    "gemma3": _gemma3,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "gpt_oss": _gpt_oss,
+}
+
+
+def _redraw(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    gemma = "gemma" in type(model).__name__.lower()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if p.ndim == 1:
+                if "norm" in name:
+                    p.copy_((0.0 if gemma else 1.0) + 0.3 * noise)
+                elif name.endswith("sinks"):
+                    p.copy_(1.0 * noise)
+                else:  # biases
+                    p.copy_(0.3 * noise)
+            else:
+                fan_in = p.shape[-1] if p.ndim == 2 else p.shape[-2]
+                p.copy_(noise * (1.5 / fan_in**0.5))
+
+
+def build_tiny(name: str, path: Path, seed: int = 0):
+    """Make, perturb and save model ``name`` under ``path``; return the HF model (eager, eval)."""
+    config, cls = CONFIGS[name]()
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    _redraw(model, seed)
+    model.save_pretrained(path)
+    model.generation_config.eos_token_id = None  # never stop early: compare every token
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_generate(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """HF greedy generation of one prompt: (new tokens, per-step logits [N, vocab])."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits, dim=0)

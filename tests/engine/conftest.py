@@ -1,0 +1,28 @@
+"""Shared fixtures of the engine tests: tiny HF models saved once per session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+pytest.importorskip("transformers")
+
+from _hf_tiny import build_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """name -> (model dir, HF model); built lazily, once per session."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            path = tmp_path_factory.mktemp(name)
+            cache[name] = (path, build_tiny(name, path))
+        return cache[name]
+
+    return get

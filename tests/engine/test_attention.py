@@ -1,0 +1,150 @@
+"""Reference paged attention: masks, gathers through block tables, sinks, softcap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.engine.attention import FULL, AttentionMetadata, AttentionType, allowed_key_mask, paged_attention
+from hybridkv.engine.kv_storage import PagedKVStorage
+from hybridkv.errors import InvalidArgumentError, InvalidConfigError, InvariantViolation
+
+H_Q, H_KV, D = 4, 2, 8
+
+
+def test_masks_equal_hf_mask_functions():
+    masking = pytest.importorskip("transformers.masking_utils")
+    q = torch.arange(90).view(-1, 1)
+    k = torch.arange(90).view(1, -1)
+    zero = torch.zeros(1, dtype=torch.long)
+    for w in (1, 5, 12, 128):
+        want = masking.sliding_window_causal_mask_function(w)(0, 0, q, k)
+        got = allowed_key_mask(AttentionType("sliding", w), torch.arange(90), torch.arange(90))
+        assert torch.equal(got, want)
+    for c in (1, 16, 20):
+        want = masking.chunked_causal_mask_function(c, zero)(0, 0, q, k)
+        got = allowed_key_mask(AttentionType("chunked", c), torch.arange(90), torch.arange(90))
+        assert torch.equal(got, want)
+    want = masking.causal_mask_function(0, 0, q, k)
+    assert torch.equal(allowed_key_mask(FULL, torch.arange(90), torch.arange(90)), want)
+
+
+def test_mask_conventions_spelled_out():
+    sliding = allowed_key_mask(AttentionType("sliding", 4), torch.tensor([10]), torch.arange(12))[0]
+    assert sliding.nonzero().flatten().tolist() == [7, 8, 9, 10]  # (p - W, p]
+    chunked = allowed_key_mask(AttentionType("chunked", 8), torch.tensor([17]), torch.arange(20))[0]
+    assert chunked.nonzero().flatten().tolist() == [16, 17]  # [floor(p/C)*C, p]
+
+
+def _dense_reference(q, k_all, v_all, positions, attn, scale, sinks=None, softcap=None):
+    """q [Tq, Hq, D] at ``positions``; k_all / v_all [L, Hkv, D] for positions 0..L-1."""
+    rep = q.shape[1] // k_all.shape[1]
+    k = k_all.repeat_interleave(rep, dim=1).permute(1, 0, 2)  # [Hq, L, D]
+    v = v_all.repeat_interleave(rep, dim=1).permute(1, 0, 2)
+    s = torch.einsum("thd,hld->htl", q, k) * scale  # [Hq, Tq, L]
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    mask = allowed_key_mask(attn, positions, torch.arange(k_all.shape[0]))  # [Tq, L]
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.view(-1, 1, 1).expand(-1, s.shape[1], 1)], dim=-1)
+        p = torch.softmax(s, -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    return torch.einsum("htl,hld->thd", p, v)
+
+
+def _scenario(attn, block_size, seqs, seed=0, sinks=False, softcap=None):
+    """seqs: [(num_computed, q_len)]. Builds random KV history, random tables, checks one step."""
+    g = torch.Generator().manual_seed(seed)
+    storage = PagedKVStorage([[0]], block_size, 80, H_KV, D)
+    storage.fill_blocks(list(range(80)), float("nan"))  # anything not written reads as NaN
+    free = torch.randperm(79, generator=g).add(1).tolist()
+    tables, hist = [], []
+    for n, q_len in seqs:
+        nblk = -(-(n + q_len) // block_size)
+        table = [free.pop() for _ in range(nblk)]
+        first = int(attn.first_key(torch.tensor(n)))
+        # blocks wholly before the first key any query may see -> null block
+        table = [0 if (b + 1) * block_size <= first else blk for b, blk in enumerate(table)]
+        tables.append(table)
+        k = torch.randn(n + q_len, H_KV, D, generator=g)
+        v = torch.randn(n + q_len, H_KV, D, generator=g)
+        hist.append((k, v))
+        pos = torch.arange(first, n)  # the history a query may read; written in an earlier step
+        if len(pos):
+            tab = torch.tensor(table)
+            slots = tab[pos // block_size] * block_size + pos % block_size
+            storage.write(0, slots, k[first:n], v[first:n])
+    meta = AttentionMetadata.build(storage, [n for n, _ in seqs], [q for _, q in seqs], [[t] for t in tables])
+    q = torch.randn(sum(q for _, q in seqs), H_Q, D, generator=g)
+    new_k = torch.cat([k[n:] for (n, _), (k, _) in zip(seqs, hist)])
+    new_v = torch.cat([v[n:] for (n, _), (_, v) in zip(seqs, hist)])
+    sink = torch.randn(H_Q, generator=g) if sinks else None
+    out = paged_attention(q, new_k, new_v, meta, 0, attn, 0.3, sinks=sink, softcap=softcap)
+    start = 0
+    for (n, q_len), (k, v) in zip(seqs, hist):
+        pos = torch.arange(n, n + q_len)
+        want = _dense_reference(q[start : start + q_len], k, v, pos, attn, 0.3, sink, softcap)
+        torch.testing.assert_close(out[start : start + q_len], want, atol=1e-5, rtol=1e-5)
+        start += q_len
+
+
+SEQS = [(0, 13), (21, 1), (37, 6), (5, 1), (58, 9)]
+
+
+@pytest.mark.parametrize(
+    "attn",
+    [FULL, AttentionType("sliding", 7), AttentionType("sliding", 16), AttentionType("chunked", 10), AttentionType("chunked", 16)],
+    ids=lambda a: f"{a.kind}{a.size or ''}",
+)
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_paged_attention_matches_dense(attn, block_size):
+    _scenario(attn, block_size, SEQS)
+
+
+def test_sinks_and_softcap_match_dense():
+    _scenario(AttentionType("sliding", 9), 4, SEQS, seed=3, sinks=True)
+    _scenario(FULL, 8, SEQS, seed=4, softcap=2.0)
+
+
+def test_null_block_in_needed_range_is_an_invariant_violation():
+    storage = PagedKVStorage([[0]], 4, 16, H_KV, D)
+    # query at position 10, window 5 needs keys 6..10 -> blocks 1 and 2; block 1 is null here
+    meta = AttentionMetadata.build(storage, [10], [1], [[[3, 0, 5]]])
+    q = torch.zeros(1, H_Q, D)
+    kv = torch.zeros(1, H_KV, D)
+    with pytest.raises(InvariantViolation, match="null block"):
+        paged_attention(q, kv, kv, meta, 0, AttentionType("sliding", 5), 1.0)
+    # the same table is fine for window 3 (keys 8..10, block 2 only)
+    meta = AttentionMetadata.build(storage, [10], [1], [[[3, 0, 5]]])
+    paged_attention(q, kv, kv, meta, 0, AttentionType("sliding", 3), 1.0)
+
+
+def test_metadata_validates_inputs():
+    storage = PagedKVStorage([[0], [1]], 4, 16, H_KV, D)
+    with pytest.raises(InvalidArgumentError, match="2 KV cache groups"):
+        AttentionMetadata.build(storage, [0], [3], [[[1]]])
+    with pytest.raises(InvalidArgumentError, match="cannot hold"):
+        AttentionMetadata.build(storage, [0], [5], [[[1], [2, 3]]])
+    with pytest.raises(InvalidArgumentError, match="at least one"):
+        AttentionMetadata.build(storage, [], [], [])
+    with pytest.raises(InvalidArgumentError, match="new token"):
+        AttentionMetadata.build(storage, [0], [0], [[[1], [2]]])
+
+
+def test_slot_mapping_and_positions():
+    storage = PagedKVStorage([[0], [1]], 4, 16, H_KV, D)
+    meta = AttentionMetadata.build(storage, [6, 0], [3, 2], [[[0, 7, 9], [1, 2, 3]], [[4], [5]]])
+    assert meta.positions.tolist() == [6, 7, 8, 0, 1]
+    assert meta.slot_mappings[0].tolist() == [7 * 4 + 2, 7 * 4 + 3, 9 * 4 + 0, 4 * 4, 4 * 4 + 1]
+    assert meta.slot_mappings[1].tolist() == [2 * 4 + 2, 2 * 4 + 3, 3 * 4 + 0, 5 * 4, 5 * 4 + 1]
+
+
+def test_attention_type_validation():
+    with pytest.raises(InvalidConfigError):
+        AttentionType("sliding", 0)
+    with pytest.raises(InvalidConfigError):
+        AttentionType("full", 4)
+    with pytest.raises(InvalidConfigError):
+        AttentionType("local", 4)
