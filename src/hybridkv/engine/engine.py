@@ -1,0 +1,191 @@
+"""The engine: a model, its paged KV, the hybrid KV cache manager and the scheduler.
+
+    engine = LLMEngine("path/to/model_dir", EngineConfig(block_size=8, num_blocks=512))
+    outputs = engine.generate([[1, 2, 3], [1, 2, 4]], SamplingParams(max_tokens=16))
+
+Built from the pieces in layer order: the model says each layer's attention type →
+core specs → the planner groups the layers (equal group sizes, tensors shared by
+position) → ``KVCacheManager`` over the groups → ``Scheduler`` → ``PagedModelRunner``
+over a ``PagedKVStorage`` laid out like the groups. Prefix caching is on by default.
+
+Bad input is refused before any state changes: token ids outside the vocabulary,
+empty prompts and prompts longer than ``max_model_len`` raise typed errors from
+``add_request``; a pool too small for a request raises ``PoolTooSmallError`` there.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
+from hybridkv.core.kv_cache_manager import KVCacheManager
+from hybridkv.engine.kv_storage import PagedKVStorage
+from hybridkv.engine.model_runner import PagedModelRunner
+from hybridkv.engine.models import load_model
+from hybridkv.engine.models.base import CausalLM
+from hybridkv.errors import InvalidArgumentError, InvalidConfigError
+from hybridkv.planner.grouping import Grouping, group_layers
+from hybridkv.planner.sizes import parse_bytes
+from hybridkv.scheduler.config import SchedulerConfig
+from hybridkv.scheduler.interface import SamplingParams
+from hybridkv.scheduler.scheduler import Scheduler
+from hybridkv.scheduler.sequence import FinishReason
+
+__all__ = ["EngineConfig", "LLMEngine", "RequestOutput"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How to build the engine. Give the pool as ``num_blocks`` or ``kv_cache_memory``."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | str | None = None
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    group_size: int | None = None  # default: the planner's choice
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    debug_checks: bool = False  # check every KV write for null-block slots
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is not None and self.kv_cache_memory is not None:
+            raise InvalidConfigError("give num_blocks or kv_cache_memory, not both")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """A finished request."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    finish_reason: str
+    num_cached_tokens: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    """Continuous batching over a hybrid paged KV cache, on a model loaded from disk."""
+
+    def __init__(self, model: str | Path | CausalLM, config: EngineConfig = EngineConfig()):
+        self.config = config
+        self.model = model if isinstance(model, CausalLM) else load_model(model, dtype=config.dtype, device=config.device)
+        m = self.model
+        self.max_model_len = config.max_model_len or m.max_position_embeddings
+        specs = m.kv_cache_specs(config.block_size, dtype=config.dtype)
+        self.grouping: Grouping = group_layers(specs, self.max_model_len, group_size=config.group_size)
+        num_blocks = self._num_blocks()
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks,
+            tuple(KVCacheGroup(g.spec, tuple(f"model.layers.{i}" for i in g.layers)) for g in self.grouping.groups),
+        )
+        self.kv = KVCacheManager(
+            self.kv_cache_config,
+            CacheManagerConfig(max_model_len=self.max_model_len, enable_caching=config.enable_prefix_caching),
+        )
+        self.scheduler = Scheduler(
+            self.kv,
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+            ),
+        )
+        self.storage = PagedKVStorage(
+            [list(g.layers) for g in self.grouping.groups],
+            config.block_size,
+            num_blocks,
+            m.num_kv_heads,
+            m.head_dim,
+            dtype=config.dtype,
+            device=config.device,
+            debug=config.debug_checks,
+        )
+        self.runner = PagedModelRunner(m, self.storage, seed=config.seed)
+        self._ids = itertools.count()
+        self._outputs: dict[str, RequestOutput] = {}
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        if cfg.kv_cache_memory is None:
+            # enough for max_num_seqs requests of max_model_len at most, capped at 1 GiB
+            per_request = self.grouping.blocks_per_request(self.max_model_len)
+            cap = (1 << 30) // self.grouping.bytes_per_block
+            return max(2, min(cfg.max_num_seqs * per_request + 1, cap))
+        return parse_bytes(cfg.kv_cache_memory) // self.grouping.bytes_per_block
+
+    # --------------------------------------------------------------- requests
+    def add_request(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a prompt; returns its request id."""
+        prompt = list(prompt_token_ids)
+        vocab = self.model.vocab_size
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgumentError(f"token ids must be ints in [0, {vocab}); got {bad[:5]}")
+        if not prompt:
+            raise InvalidArgumentError("the prompt is empty")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self.scheduler.add_request(rid, prompt, sampling or SamplingParams())
+        return rid
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step through the model; the requests that finished in it."""
+        _, finished = self.scheduler.step(self.runner)
+        out = []
+        for seq in finished:
+            r = seq.request
+            ro = RequestOutput(
+                r.request_id,
+                tuple(r.all_token_ids[: r.num_prompt_tokens]),
+                tuple(r.output_token_ids),
+                (seq.finish_reason or FinishReason.LENGTH).value,
+                seq.num_cached_tokens,
+                seq.num_preemptions,
+            )
+            self._outputs[r.request_id] = ro
+            out.append(ro)
+        return out
+
+    def generate(
+        self,
+        prompts: Iterable[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        max_steps: int = 1_000_000,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion (batched through the scheduler); outputs in prompt order."""
+        prompts = [list(p) for p in prompts]
+        if isinstance(sampling, SamplingParams) or sampling is None:
+            params = [sampling or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling)
+            if len(params) != len(prompts):
+                raise InvalidArgumentError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        steps = 0
+        while self.has_unfinished_requests():
+            if steps >= max_steps:
+                raise InvalidArgumentError(f"not finished after {max_steps} steps")
+            self.step()
+            steps += 1
+        return [self._outputs.pop(rid) for rid in ids]
+
+    @property
+    def last_logits(self) -> dict[str, torch.Tensor]:
+        """Logits of the last step, per request that sampled (for tests)."""
+        return self.runner.last_logits
