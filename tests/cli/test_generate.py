@@ -68,6 +68,10 @@ def test_byte_level_text_mode(tmp_path, capsys):
     cfg = tf.LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                          num_key_value_heads=1, num_hidden_layers=2, max_position_embeddings=128)
     hf = tf.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger weights than HF's init: logits far from ties
+        for param in hf.parameters():
+            param.normal_(0, 0.3)
+    hf.generation_config.eos_token_id = None  # HF would stop at token 2; ours ignores EOS
     hf.save_pretrained(tmp_path)
     prompt = list("héllo".encode("utf-8"))
     want = hf_generate(hf, prompt, 5)[0]
