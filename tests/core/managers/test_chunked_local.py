@@ -61,8 +61,16 @@ def test_whole_chunks_before_the_next_token_need_no_lookup():
 
 def test_chunk_not_multiple_of_block_keeps_the_straddling_block():
     # block 8, C 20: chunk starts 20, 40 ...; block 2 holds tokens 16-23 (straddles 20)
+    # block 2 missed: a hit of 16 would need tokens 0-15 (token 16 is in chunk [0, 20)),
+    # so the search restarts at 16 with chunk start 0 and finds nothing
     blocks, n = hit_len([False] * 5, 39, chunk=20, bs=8)
-    assert n == 16 and ids(blocks) == [0, 0]  # block 2 missed
+    assert n == 0 and ids(blocks) == []
+    blocks, n = hit_len([True, True, False, False, False], 39, chunk=20, bs=8)
+    assert n == 16 and ids(blocks) == [10, 11]
+    # C 5, block 4, nothing cached, max_length 50: s = 50 -> 12 null blocks = 48 tokens
+    # would leave token 48 (chunk [45, 50)) reading tokens 45-47: the answer is 40
+    blocks, n = hit_len([False] * 13, 50, chunk=5, bs=4)
+    assert n == 40 and ids(blocks) == [0] * 10
     blocks, n = hit_len([False, False, True, True, False], 39, chunk=20, bs=8)
     assert n == 32 and ids(blocks) == [0, 0, 12, 13]
     blocks, n = hit_len([False] * 5, 40, chunk=20, bs=8)

@@ -27,7 +27,9 @@ class ChunkedLocalAttentionManager(AttentionManager):
     * block 16, C 64, max_length 128 → s = 128: eight null blocks, 128 tokens, no lookup
     * C not a multiple of the block: block 8, C 20, max_length 40 → s = 40 → 5 null
       blocks; max_length 39 → s = 20 → blocks 0, 1 null, block 2 (tokens 16-23,
-      straddling 20) must be a hit.
+      straddling 20) must be a hit. If it misses, a hit of 16 would leave token 16
+      (chunk [0, 20)) reading null blocks 0 and 1, so the search restarts at
+      max_length 16: s = 0, blocks 0 and 1 must hit.
 
     Skipping: with n tokens computed the next token's chunk starts at
     ``floor(n / C) * C``; every block wholly before it is freed. Block 128, C 1024:
@@ -44,16 +46,24 @@ class ChunkedLocalAttentionManager(AttentionManager):
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[GroupBlocks, int]:
         bs = self.block_size
-        max_blocks = min(max_length // bs, len(block_hashes))
-        start = (max_length // self.attention_chunk_size * self.attention_chunk_size) // bs
-        start = min(start, max_blocks)
+        chunk = self.attention_chunk_size
         null = self.null_block
-        computed: GroupBlocks = [[null] * start for _ in range(self.num_groups)]
         lookup = self._lookup
-        for i in range(start, max_blocks):
-            blocks = lookup(block_hashes[i])
-            if blocks is None:
-                break
-            for lst, block in zip(computed, blocks):
-                lst.append(block)
-        return computed, len(computed[0]) * bs
+        while True:
+            max_blocks = min(max_length // bs, len(block_hashes))
+            chunk_start = max_length // chunk * chunk
+            start = min(chunk_start // bs, max_blocks)
+            computed: GroupBlocks = [[null] * start for _ in range(self.num_groups)]
+            for i in range(start, max_blocks):
+                blocks = lookup(block_hashes[i])
+                if blocks is None:
+                    break
+                for lst, block in zip(computed, blocks):
+                    lst.append(block)
+            hit = len(computed[0]) * bs
+            if hit >= chunk_start or hit == max_length:
+                return computed, hit
+            # The block straddling the chunk start missed: the hit ends before the
+            # chunk start, in an earlier chunk whose tokens the null blocks do not
+            # hold. Retry at that (strictly shorter) length.
+            max_length = hit

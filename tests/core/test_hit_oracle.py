@@ -1,0 +1,69 @@
+"""Prefix hits against a brute-force oracle, for random cache contents.
+
+A hit of L tokens is valid for a group when every block holding a token that the
+next token (index L) attends to is cached; the blocks before that are null:
+
+* full: tokens [0, L);
+* sliding window W: tokens [max(0, L - W + 1), L);
+* chunked local C: tokens [floor(L / C) * C, L).
+
+The coordinator's answer must be the longest L <= max_length (whole blocks) valid for
+every group, and the blocks it returns must be real exactly where tokens are needed.
+"""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.core.config import KVCacheConfig, KVCacheGroup
+from hybridkv.core.coordinator import KVCacheCoordinator
+
+from tests.core.helpers import chunked, fake_hashes, full, mark_cached, sliding
+
+
+def first_needed_token(spec, L):
+    if spec.kind == "full_attention":
+        return 0
+    if spec.kind == "sliding_window":
+        return max(0, L - spec.sliding_window + 1)
+    return L // spec.attention_chunk_size * spec.attention_chunk_size
+
+
+def valid(spec, cached, L, bs):
+    return all(cached[i] for i in range(first_needed_token(spec, L) // bs, L // bs))
+
+
+spec_strategy = st.one_of(
+    st.just(("full", 0)),
+    st.tuples(st.just("sliding"), st.integers(1, 9)),
+    st.tuples(st.just("chunked"), st.integers(1, 9)),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    bs=st.integers(1, 4),
+    kinds=st.lists(spec_strategy, min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_hit_is_the_longest_valid_for_every_group(bs, kinds, data):
+    specs = [full(bs) if k == "full" else sliding(n, bs) if k == "sliding" else chunked(n, bs) for k, n in kinds]
+    num_blocks = data.draw(st.integers(0, 10))
+    hashes = fake_hashes(num_blocks)
+    c = KVCacheCoordinator(KVCacheConfig(200, tuple(KVCacheGroup(s) for s in specs)))
+    cached = []
+    for g in range(len(specs)):
+        mask = data.draw(st.lists(st.booleans(), min_size=num_blocks, max_size=num_blocks))
+        mark_cached(c.pool, hashes, mask, group=g, first_id=10 + 15 * g)
+        cached.append(mask)
+    max_length = data.draw(st.integers(0, num_blocks * bs + bs - 1))
+    blocks, L = c.find_longest_cache_hit(hashes, max_length)
+
+    limit = min(max_length, num_blocks * bs) // bs * bs
+    candidates = [x for x in range(0, limit + 1, bs) if all(valid(s, m, x, bs) for s, m in zip(specs, cached))]
+    want = max(candidates) if limit >= bs else 0
+    assert L == want, (kinds, bs, cached, max_length)
+    for g, (spec, table) in enumerate(zip(specs, blocks)):
+        assert len(table) == L // bs
+        first = first_needed_token(spec, L) // bs
+        assert all(b.is_null for b in table[:first])
+        assert all(not b.is_null and b.block_id == 10 + 15 * g + i for i, b in enumerate(table) if i >= first)
