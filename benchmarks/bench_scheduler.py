@@ -50,26 +50,26 @@ def run_once(cfg: KVCacheConfig, reqs: list[list[int]], decode_steps: int) -> tu
     for i, p in enumerate(reqs):
         sched.add_request(f"r{i}", p, SamplingParams(max_tokens=decode_steps + 64))
     runner = FakeRunner()
-    prefill_ns, decode_ns, decode_n, steps = 0, 0, 0, 0
+
+    def timed_step() -> int:
+        """One step; nanoseconds spent in the scheduler + KV cache manager (not the runner)."""
+        t0 = time.perf_counter_ns()
+        out = sched.schedule()
+        t1 = time.perf_counter_ns()
+        sampled = runner.execute(out)
+        t2 = time.perf_counter_ns()
+        sched.update_from_output(out, sampled)
+        return (t1 - t0) + (time.perf_counter_ns() - t2)
+
+    prefill_ns, steps = 0, 0
     while sched.waiting or any(s.request.num_computed_tokens < s.request.num_tokens - 1 for s in sched.running):
-        t0 = time.perf_counter_ns()
-        out = sched.schedule()
-        t1 = time.perf_counter_ns()
-        sampled = runner.execute(out)
-        t2 = time.perf_counter_ns()
-        sched.update_from_output(out, sampled)
-        prefill_ns += (t1 - t0) + (time.perf_counter_ns() - t2)
+        prefill_ns += timed_step()
         steps += 1
+    decode_ns = 0
     for _ in range(decode_steps):
-        t0 = time.perf_counter_ns()
-        out = sched.schedule()
-        t1 = time.perf_counter_ns()
-        sampled = runner.execute(out)
-        t2 = time.perf_counter_ns()
-        sched.update_from_output(out, sampled)
-        decode_ns += (t1 - t0) + (time.perf_counter_ns() - t2)
-        decode_n += 1
+        decode_ns += timed_step()
         assert sched.num_running == len(reqs), "every request must stay running (no preemption) for a fair ratio"
+    decode_n = decode_steps
     return prefill_ns / steps / 1e3, decode_ns / decode_n / 1e3, sched.num_preemptions
 
 
