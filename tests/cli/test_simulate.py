@@ -22,6 +22,8 @@ def test_simulate_json_and_plot(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert [r["layout"] for r in data["results"]] == ["hybrid", "full"]
     assert all(r["finished"] == 6 for r in data["results"])
+    for r in data["results"]:  # the time series behind the plot
+        assert len(r["series"]["kv_usage"]) == len(r["series"]["running"]) == r["steps"]
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -105,7 +105,15 @@ def run(args: argparse.Namespace) -> int:
     ]
     title = f"{plan.model.name}: {label}, {args.memory} KV cache, max_model_len {max_len}"
     if args.json:
-        print(json.dumps({"model": plan.model.name, "workload": label, "results": [r.summary() for r in results]}, indent=2))
+        payload = {
+            "model": plan.model.name,
+            "workload": label,
+            "results": [
+                {**r.summary(), "series": {"kv_usage": [round(u, 4) for u in r.usage], "running": r.running}}
+                for r in results
+            ],
+        }
+        print(json.dumps(payload))
     else:
         print(render_results(title, results))
     if args.plot:
