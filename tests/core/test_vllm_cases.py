@@ -10,8 +10,9 @@ turned up, written as plain hybridkv tests (no vLLM import). Each says what vLLM
 * sliding window W: token n attends to (n - W, n]; a hit of R tokens needs the
   W - 1 tokens before R, i.e. cdiv(W - 1, block) blocks.
 
-Tests marked ``xfail(strict=True)`` are hybridkv bugs found by the check; they
-flip to XPASS (and so fail) once fixed, so the mark must then be removed.
+F1 was a hybridkv bug found by the check (fixed in 95fcf0f, "retry shorter when the
+straddling block misses"); its tests keep it fixed. F2 is a vLLM quirk; hybridkv
+follows the rule and the tests pin that.
 """
 
 from __future__ import annotations
@@ -136,9 +137,9 @@ def test_scout_shaped_prefix_hit_matches_vllm():
 # HybridKVCacheCoordinator, when it iterates (two or more non-full spec groups, or
 # one spec group over several KV cache groups), re-asks every group at the reduced
 # length until nothing changes and so lands on a valid hit. hybridkv's fixed point
-# skips a manager whose previous answer equals the current length, so it keeps the
-# invalid hit even there. Fix: in ChunkedLocalAttentionManager.find_longest_cache_hit,
-# retry with max_length = hit while hit < s.
+# skips a manager whose previous answer equals the current length, so before the fix
+# it kept the invalid hit even there. Fix (95fcf0f): ChunkedLocalAttentionManager.
+# find_longest_cache_hit retries with max_length = hit while hit < s.
 # --------------------------------------------------------------------------------
 
 
@@ -154,7 +155,7 @@ def test_chunked_hit_keeps_the_cached_block_before_a_misaligned_chunk_start():
     assert hit == 8
     assert blocks.get_block_ids()[0] != [0]
     kv.allocate_slots(req, req.num_tokens - hit, hit, blocks)
-    kv.check_invariants()  # today: "null block at 0 past the skipped prefix"
+    kv.check_invariants()  # before the fix: "null block at 0 past the skipped prefix"
 
 
 @pytest.mark.parametrize("groups", [[("chunked", 5)], [("chunked", 5)] * 2])
@@ -170,9 +171,10 @@ def test_chunked_hit_on_an_empty_cache_lands_on_a_chunk_boundary(groups):
 
 
 def test_existing_example_c20_block8_max39_all_missing():
-    # tests/core/managers/test_chunked_local.py::test_chunk_not_multiple_of_block_keeps_the_straddling_block
-    # expects 16 tokens [null, null] here; token 16 is in chunk [0, 20) and attends
-    # to tokens 0-15, so with nothing cached the only valid hit is 0.
+    # The example of the manager's docstring (block 8, C 20, max_length 39), with
+    # nothing cached: a hit of 16 tokens [null, null] (what both managers returned
+    # before the fix) would leave token 16, in chunk [0, 20), reading null blocks 0
+    # and 1; the only valid hit is 0.
     pool = BlockPool(40)
     m = ChunkedLocalAttentionManager(_spec("chunked", 8, 20), (0,), pool)
     blocks, n = m.find_longest_cache_hit(fake_hashes(5), 39)
@@ -181,8 +183,8 @@ def test_existing_example_c20_block8_max39_all_missing():
 
 @pytest.mark.parametrize(
     "chunk, bs",
-    [(4, 2), (8, 4), (6, 2), (12, 4)]  # multiples: pass today
-    + [pytest.param(c, b) for c, b in [(3, 2), (5, 4), (6, 4), (12, 8), (20, 8)]],
+    [(4, 2), (8, 4), (6, 2), (12, 4)]  # chunk a multiple of the block
+    + [(3, 2), (5, 4), (6, 4), (12, 8), (20, 8)],  # not a multiple (F1)
 )
 def test_chunked_hit_is_the_longest_valid_hit(chunk, bs):
     # every cache pattern over 6 blocks, every max_length: the manager's hit is valid

@@ -1,0 +1,137 @@
+"""KV cache manager cost per scheduling step: Llama-4-Scout layout (4 groups) vs one full group.
+
+Two seeded traces from ``_traces.py`` (the same request streams as traces (a) and
+(b) of ``vs_vllm.py``), each played on
+
+* ``scout``: 1 full + 3 chunked-local groups (block 16, chunk 8192), the three
+  chunked groups sharing one manager in hybridkv;
+* ``full``: one full-attention group, same block size and pool size.
+
+The pool is large enough for both layouts to admit, hit and finish exactly the same
+requests (hit tokens are printed; they must be equal), so the ratio is the cost
+of the extra groups alone. Both layouts play side by side in one process,
+10 steps each in turn (the order flips every slice and every round), so load
+changes hit both alike; the median over rounds is reported. Only hybridkv is used
+(system python3 is fine).
+
+    python3 benchmarks/bench_manager.py            # ~1 min on a busy 2-core machine
+    python3 benchmarks/bench_manager.py --quick    # ~15 s
+
+Target (issue 2, item 8): scout / full <= 1.5 µs per request-step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+_SRC = os.path.join(os.path.dirname(HERE), "src")
+if os.path.isdir(_SRC) and _SRC not in sys.path:
+    sys.path.insert(0, _SRC)
+
+from _traces import (  # noqa: E402
+    Driver,
+    HybridLane,
+    NullLane,
+    full_groups,
+    make_trace,
+    median,
+    run_interleaved,
+    scout_groups,
+)
+
+SLICE = 10  # steps of one layout before the other's turn (the order flips every slice)
+
+TARGET = 1.5
+
+TRACES = {
+    # name: (trace of vs_vllm.py, description, pool size)
+    "decode": ("a", "decode-heavy: 256 running, prompts 1k-9k, outputs 500-2500", 440_000),
+    "prefix": ("b", "prefix-heavy: 48 running, 16 shared system prompts of 9k-31k tokens", 100_000),
+}
+
+
+def layout_trace(name: str, layout: str, quick: bool):
+    base, desc, num_blocks = TRACES[name]
+    tr = make_trace(base, quick=quick)
+    tr.groups = scout_groups() if layout == "scout" else full_groups()
+    tr.num_blocks = num_blocks
+    tr.description = desc
+    return tr
+
+
+def run(quick: bool, rounds: int, names) -> list[dict]:
+    rows = []
+    for name in names:
+        t0 = time.perf_counter()
+        per = {"scout": [], "full": []}
+        per_step = {"scout": [], "full": []}
+        hits = {"scout": set(), "full": set()}
+        ratios = []
+        info = {}
+        for r in range(rounds):
+            order = ("scout", "full") if r % 2 == 0 else ("full", "scout")
+            outs = run_interleaved([(layout_trace(name, layout, quick), HybridLane(name=layout)) for layout in order],
+                                   SLICE)
+            res = {o.lane: o for o in outs}
+            for layout, out in res.items():
+                per[layout].append(out.us_per_req_step)
+                per_step[layout].append(out.us_per_step)
+                hits[layout].add(out.hit_tokens)
+                info[layout] = out
+            ratios.append(res["scout"].us_per_req_step / res["full"].us_per_req_step)
+            print(f"  [{name}] round {r + 1}/{rounds}: scout {res['scout'].us_per_req_step:7.2f} us/req-step  "
+                  f"full {res['full'].us_per_req_step:7.2f} us/req-step  ratio {ratios[-1]:.3f}", flush=True)
+        null = Driver(layout_trace(name, "full", quick), NullLane()).run()
+        s, f = info["scout"], info["full"]
+        rows.append(dict(
+            name=name, desc=TRACES[name][1], steps=len(s.step_ns), req_per_step=s.req_steps / max(1, len(s.step_ns)),
+            scout=median(per["scout"]), full=median(per["full"]),
+            scout_step=median(per_step["scout"]), full_step=median(per_step["full"]),
+            ratio=median(ratios), ratios=ratios, hits=(sorted(hits["scout"]), sorted(hits["full"])),
+            same=(s.admitted, s.finished, s.preemptions) == (f.admitted, f.finished, f.preemptions),
+            driver=sum(null.step_ns) / max(1, null.req_steps) / 1e3, seconds=time.perf_counter() - t0,
+        ))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short traces (~15 s)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3, --quick 2)")
+    ap.add_argument("--traces", default="decode,prefix")
+    args = ap.parse_args(argv)
+    rounds = args.rounds or (2 if args.quick else 3)
+    names = [n for n in args.traces.split(",") if n in TRACES]
+    t0 = time.perf_counter()
+    rows = run(args.quick, rounds, names)
+    print()
+    print(f"hybridkv KVCacheManager, µs per scheduling step per request (median of {rounds} rounds; both layouts "
+          f"side by side, {SLICE} steps each in turn, order flipping; manager calls + num_computed/append "
+          "bookkeeping, request construction excluded)")
+    hdr = (f"{'trace':7} {'steps':>5} {'req/step':>8} {'scout us/req':>12} {'full us/req':>11} {'scout/full':>10} "
+           f"{'target':>6} {'scout us/step':>13} {'full us/step':>12} {'hit tokens scout':>16} {'hit tokens full':>15} "
+           f"{'same':>4}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        same = r["same"] and r["hits"][0] == r["hits"][1] and len(r["hits"][0]) == 1
+        print(f"{r['name']:7} {r['steps']:>5} {r['req_per_step']:>8.1f} {r['scout']:>12.2f} {r['full']:>11.2f} "
+              f"{r['ratio']:>10.3f} {TARGET:>6} {r['scout_step']:>13.1f} {r['full_step']:>12.1f} "
+              f"{r['hits'][0][0]:>16} {r['hits'][1][0]:>15} {'yes' if same else 'NO':>4}")
+    print()
+    for r in rows:
+        print(f"  {r['name']}: {r['desc']}; rounds " + ", ".join(f"{x:.3f}" for x in r["ratios"])
+              + f"; driver's own cost {r['driver']:.2f} us/req-step (included in both); {r['seconds']:.0f} s")
+    print(f"  scout = 1 full + 3 chunked-local(8192) groups, full = 1 full group; block 16; "
+          f"'same' = identical admissions, finishes, preemptions and hit tokens in both layouts")
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
