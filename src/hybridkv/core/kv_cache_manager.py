@@ -27,6 +27,7 @@ from hybridkv.core.block_pool import KVCacheBlock
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig
 from hybridkv.core.coordinator import KVCacheCoordinator
 from hybridkv.core.events import KVCacheEvent
+from hybridkv.core.managers.base import NEVER
 from hybridkv.core.request import BlockHasher, Request
 from hybridkv.errors import (
     InvalidArgumentError,
@@ -96,6 +97,10 @@ class KVCacheManager:
         self._live: dict[str, Request] = {}
         self._freed: set[str] = set()
         self._empty = KVCacheBlocks(tuple([] for _ in range(self.coordinator.num_groups)))
+        self._no_new_blocks = KVCacheBlocks(tuple(() for _ in range(self.coordinator.num_groups)))
+        # request id -> (request, most tokens it can reach with nothing to allocate or cache,
+        #                num_computed_tokens at which a block dies): the decode fast path
+        self._quiet: dict[str, tuple[Request, int, int]] = {}
 
     # ------------------------------------------------------------- requests
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], **extra) -> Request:
@@ -130,7 +135,27 @@ class KVCacheManager:
         Returns the newly allocated blocks per group, or None when the pool cannot
         hold them. On None the request's tables and counts are unchanged; blocks no
         future token attends to may already have been returned to the pool.
+
+        Fast path: most decode steps need no block (the last one has room, no block
+        fills, none dies). After each call the manager remembers up to which token
+        count that holds (block 16: a request with 2 blocks, 1 cached, 20 computed
+        is quiet while it needs <= 31 slots and fewer than the next chunk start
+        tokens are computed), and answers such calls at once with no new blocks.
         """
+        quiet = self._quiet.get(request.request_id)
+        if (
+            quiet is not None
+            and quiet[0] is request
+            and type(num_new_tokens) is int
+            and num_new_tokens >= 0
+            and new_computed_blocks is None
+            and not num_new_computed_tokens
+            and not num_lookahead_tokens
+        ):
+            computed = request.num_computed_tokens
+            total = computed + num_new_tokens
+            if total <= quiet[1] and computed < quiet[2] and total <= len(request.all_token_ids):
+                return self._no_new_blocks
         for name, value in (
             ("num_new_tokens", num_new_tokens),
             ("num_new_computed_tokens", num_new_computed_tokens),
@@ -179,11 +204,31 @@ class KVCacheManager:
         new = coord.allocate_new_blocks(rid, num_slots)
         if self.enable_caching:
             coord.cache_blocks(request, min(num_tokens, request.num_tokens))
+        self._remember_quiet(request)
         return KVCacheBlocks(new)
+
+    def _remember_quiet(self, request: Request) -> None:
+        """Record how far the request can go with no allocation, caching or skipping."""
+        rid = request.request_id
+        bs = self.block_size
+        limit = self.max_model_len
+        skip_at = NEVER
+        for m in self.coordinator.managers:
+            st = m.requests[rid]
+            slots = len(st.tables[0]) * bs
+            if slots < limit:
+                limit = slots
+            if self.enable_caching and (st.num_cached + 1) * bs - 1 < limit:
+                limit = (st.num_cached + 1) * bs - 1
+            at = m.next_skip_at(st.num_skipped)
+            if at < skip_at:
+                skip_at = at
+        self._quiet[rid] = (request, limit, skip_at)
 
     def free(self, request: Request | str) -> None:
         """Return every block of a finished or preempted request to the pool."""
         rid = request if isinstance(request, str) else request.request_id
+        self._quiet.pop(rid, None)
         if self._live.pop(rid, None) is None:
             if rid in self._freed:
                 raise RequestFreedError(f"request {rid!r} was already freed")

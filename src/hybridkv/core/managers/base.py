@@ -31,9 +31,12 @@ from hybridkv.core.request import Request
 from hybridkv.core.specs import KVCacheSpec, cdiv
 from hybridkv.errors import InvariantViolation, UnknownRequestError
 
-__all__ = ["AttentionManager", "RequestBlocks"]
+__all__ = ["AttentionManager", "RequestBlocks", "NEVER"]
 
 GroupBlocks = list[list[KVCacheBlock]]
+
+#: a token count no request reaches
+NEVER = 1 << 62
 
 
 class RequestBlocks:
@@ -68,6 +71,11 @@ class AttentionManager(ABC):
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens no token from index ``num_computed_tokens`` on attends to."""
         return 0
+
+    def next_skip_at(self, num_skipped_blocks: int) -> int:
+        """The smallest ``num_computed_tokens`` at which more than ``num_skipped_blocks``
+        leading blocks are dead (``NEVER`` for full attention)."""
+        return NEVER
 
     @abstractmethod
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[GroupBlocks, int]:

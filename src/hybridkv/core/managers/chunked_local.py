@@ -44,6 +44,12 @@ class ChunkedLocalAttentionManager(AttentionManager):
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
 
+    def next_skip_at(self, num_skipped_blocks: int) -> int:
+        # block k dies once the chunk start passes its end: (k + 1) * block <= floor(n / C) * C
+        # -> n >= cdiv((k + 1) * block, C) * C. Block 8, C 20, k 2 -> n >= 40.
+        chunk = self.attention_chunk_size
+        return -(-((num_skipped_blocks + 1) * self.block_size) // chunk) * chunk
+
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[GroupBlocks, int]:
         bs = self.block_size
         chunk = self.attention_chunk_size

@@ -36,6 +36,10 @@ class SlidingWindowManager(AttentionManager):
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1)
 
+    def next_skip_at(self, num_skipped_blocks: int) -> int:
+        # block k dies once n - W + 1 >= (k + 1) * block. W 4, block 2, k 0 -> n >= 5.
+        return (num_skipped_blocks + 1) * self.block_size + self.sliding_window - 1
+
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[GroupBlocks, int]:
         max_blocks = min(max_length // self.block_size, len(block_hashes))
         need = self.contiguous_blocks
