@@ -192,26 +192,17 @@ def make_trace(name: str, quick: bool = False) -> TraceSpec:
                 2, prefix_lens=tuple(9000 + 1450 * k for k in range(16)), output=(10, 80), zipf=0.8
             ),
         )
-    if name == "c":
+    if name in ("c", "d"):  # the same mixed requests on the Gemma-3 layout and on one full group
+        gemma = name == "c"
         return TraceSpec(
-            name="c",
-            description="mixed, 128 running, Gemma-3-27B (1 full + 6 sliding 1024), 60% shared prefixes",
-            groups=gemma3_groups(),
-            num_blocks=110_000,
-            max_running=128,
-            token_budget=8192,
-            warmup_steps=80,
-            num_steps=120 if quick else 600,
-            requests=shared_prefix_stream(
-                3, prefix_lens=(2000, 3000, 4000, 6000), user=(50, 800), output=(100, 1200), share=0.6
+            name=name,
+            description=(
+                "mixed, 128 running, Gemma-3-27B (1 full + 6 sliding 1024), 60% shared prefixes"
+                if gemma
+                else "mixed, 128 running, one full-attention group, 60% shared prefixes"
             ),
-        )
-    if name == "d":
-        return TraceSpec(
-            name="d",
-            description="mixed, 128 running, one full-attention group, 60% shared prefixes",
-            groups=full_groups(),
-            num_blocks=60_000,
+            groups=gemma3_groups() if gemma else full_groups(),
+            num_blocks=110_000 if gemma else 60_000,
             max_running=128,
             token_budget=8192,
             warmup_steps=80,
