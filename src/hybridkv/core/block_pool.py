@@ -159,6 +159,10 @@ class BlockPool:
             out.append(hit)
         return out
 
+    def group_map(self, group_id: int) -> dict:
+        """Group ``group_id``'s hash map (hash -> block, or {block_id: block} for duplicates); read only."""
+        return self._cached[group_id]
+
     def lookup(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
         """The cached block of ``block_hash`` in one group (no list built)."""
         hit = self._cached[group_id].get(block_hash)

@@ -66,6 +66,7 @@ class AttentionManager(ABC):
         self.enable_caching = enable_caching
         self.null_block = pool.null_block
         self.requests: dict[str, RequestBlocks] = {}
+        self._group_maps = [pool.group_map(g) for g in self.group_ids]
 
     # ------------------------------------------------------------ semantics
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -81,11 +82,37 @@ class AttentionManager(ABC):
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[GroupBlocks, int]:
         """(per-group hit blocks, hit length in tokens); the length is whole blocks, <= max_length."""
 
+    def _scan(self, block_hashes: Sequence[BlockHash], start: int, end: int) -> list[list[KVCacheBlock]]:
+        """Cached blocks of positions start, start+1, ... up to the first position (< end)
+        that misses in any group: one list per group, all the same length."""
+        out: list[list[KVCacheBlock]] = []
+        for group_map in self._group_maps:
+            get = group_map.get
+            hits: list[KVCacheBlock] = []
+            append = hits.append
+            for i in range(start, end):
+                hit = get(block_hashes[i])
+                if hit is None:
+                    break
+                append(next(iter(hit.values())) if type(hit) is dict else hit)
+            out.append(hits)
+            end = start + len(hits)  # later groups need not look further
+        n = end - start
+        for hits in out:
+            del hits[n:]
+        return out
+
     def _lookup(self, block_hash: BlockHash) -> list[KVCacheBlock] | None:
-        if self.num_groups == 1:
-            hit = self.pool.lookup(block_hash, self.group_ids[0])
-            return None if hit is None else [hit]
-        return self.pool.get_cached_block(block_hash, self.group_ids)
+        """The cached block of ``block_hash`` in each of the manager's groups, or None."""
+        out = []
+        for group_map in self._group_maps:
+            hit = group_map.get(block_hash)
+            if hit is None:
+                return None
+            if type(hit) is dict:  # several blocks hold this hash
+                hit = next(iter(hit.values()))
+            out.append(hit)
+        return out
 
     # ------------------------------------------------------------ life cycle
     def state(self, request_id: str) -> RequestBlocks:
@@ -193,13 +220,13 @@ class AttentionManager(ABC):
             return
         null = self.null_block
         freed: list[KVCacheBlock] = []
+        n = upto - start
         for table, ids in zip(st.tables, st.ids):
-            for i in range(upto - 1, start - 1, -1):
-                block = table[i]
-                if not block.is_null:
-                    freed.append(block)
-                    table[i] = null
-                    ids[i] = 0
+            dead = table[start:upto]
+            dead.reverse()  # tail-most first
+            freed.extend([b for b in dead if not b.is_null])
+            table[start:upto] = [null] * n
+            ids[start:upto] = [0] * n
         st.num_skipped = upto
         self.pool.free_blocks(freed)
 

@@ -54,18 +54,11 @@ class ChunkedLocalAttentionManager(AttentionManager):
         bs = self.block_size
         chunk = self.attention_chunk_size
         null = self.null_block
-        lookup = self._lookup
         while True:
             max_blocks = min(max_length // bs, len(block_hashes))
             chunk_start = max_length // chunk * chunk
             start = min(chunk_start // bs, max_blocks)
-            computed: GroupBlocks = [[null] * start for _ in range(self.num_groups)]
-            for i in range(start, max_blocks):
-                blocks = lookup(block_hashes[i])
-                if blocks is None:
-                    break
-                for lst, block in zip(computed, blocks):
-                    lst.append(block)
+            computed: GroupBlocks = [[null] * start + hits for hits in self._scan(block_hashes, start, max_blocks)]
             hit = len(computed[0]) * bs
             if hit >= chunk_start or hit == max_length:
                 return computed, hit

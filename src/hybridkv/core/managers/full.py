@@ -21,24 +21,5 @@ class FullAttentionManager(AttentionManager):
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[GroupBlocks, int]:
         max_blocks = min(max_length // self.block_size, len(block_hashes))
-        if self.num_groups == 1:
-            lookup = self.pool.lookup
-            g = self.group_ids[0]
-            hit: list = []
-            append = hit.append
-            for i in range(max_blocks):
-                block = lookup(block_hashes[i], g)
-                if block is None:
-                    break
-                append(block)
-            return [hit], len(hit) * self.block_size
-        computed: GroupBlocks = [[] for _ in range(self.num_groups)]
-        get = self.pool.get_cached_block
-        gids = self.group_ids
-        for i in range(max_blocks):
-            blocks = get(block_hashes[i], gids)
-            if blocks is None:
-                break
-            for lst, block in zip(computed, blocks):
-                lst.append(block)
-        return computed, len(computed[0]) * self.block_size
+        hits = self._scan(block_hashes, 0, max_blocks)
+        return hits, len(hits[0]) * self.block_size
