@@ -54,12 +54,15 @@ def _dense_reference(q, k_all, v_all, positions, attn, scale, sinks=None, softca
     return torch.einsum("htl,hld->thd", p, v)
 
 
-def _scenario(attn, block_size, seqs, seed=0, sinks=False, softcap=None):
-    """seqs: [(num_computed, q_len)]. Builds random KV history, random tables, checks one step."""
+def _scenario(attn, block_size, seqs, seed=0, sinks=False, softcap=None, num_blocks=80, outputs=None):
+    """seqs: [(num_computed, q_len)]. Builds random KV history, random tables, checks one step.
+
+    outputs: also attend from only these sequences' last tokens (``keep``) and check those rows.
+    """
     g = torch.Generator().manual_seed(seed)
-    storage = PagedKVStorage([[0]], block_size, 80, H_KV, D)
-    storage.fill_blocks(list(range(80)), float("nan"))  # anything not written reads as NaN
-    free = torch.randperm(79, generator=g).add(1).tolist()
+    storage = PagedKVStorage([[0]], block_size, num_blocks, H_KV, D)
+    storage.fill_blocks(list(range(num_blocks)), float("nan"))  # anything not written reads as NaN
+    free = torch.randperm(num_blocks - 1, generator=g).add(1).tolist()
     tables, hist = [], []
     for n, q_len in seqs:
         nblk = -(-(n + q_len) // block_size)
@@ -76,12 +79,18 @@ def _scenario(attn, block_size, seqs, seed=0, sinks=False, softcap=None):
             tab = torch.tensor(table)
             slots = tab[pos // block_size] * block_size + pos % block_size
             storage.write(0, slots, k[first:n], v[first:n])
-    meta = AttentionMetadata.build(storage, [n for n, _ in seqs], [q for _, q in seqs], [[t] for t in tables])
+    meta = AttentionMetadata.build(
+        storage, [n for n, _ in seqs], [q for _, q in seqs], [[t] for t in tables], output_seqs=outputs
+    )
     q = torch.randn(sum(q for _, q in seqs), H_Q, D, generator=g)
     new_k = torch.cat([k[n:] for (n, _), (k, _) in zip(seqs, hist)])
     new_v = torch.cat([v[n:] for (n, _), (_, v) in zip(seqs, hist)])
     sink = torch.randn(H_Q, generator=g) if sinks else None
     out = paged_attention(q, new_k, new_v, meta, 0, attn, 0.3, sinks=sink, softcap=softcap)
+    if outputs is not None:
+        keep = meta.output_rows()
+        some = paged_attention(q, new_k, new_v, meta, 0, attn, 0.3, sinks=sink, softcap=softcap, keep=keep)
+        torch.testing.assert_close(some, out[keep], atol=1e-5, rtol=1e-5)
     start = 0
     for (n, q_len), (k, v) in zip(seqs, hist):
         pos = torch.arange(n, n + q_len)
@@ -101,6 +110,25 @@ SEQS = [(0, 13), (21, 1), (37, 6), (5, 1), (58, 9)]
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_paged_attention_matches_dense(attn, block_size):
     _scenario(attn, block_size, SEQS)
+
+
+# long prefills (several chunk / window pieces, history reads, several buckets) next to decodes
+LONG = [(0, 70), (0, 21), (33, 40), (5, 1), (64, 1), (0, 3), (90, 2), (17, 16)]
+
+
+@pytest.mark.parametrize(
+    "attn",
+    [FULL, AttentionType("sliding", 16), AttentionType("chunked", 16), AttentionType("chunked", 20)],
+    ids=lambda a: f"{a.kind}{a.size or ''}",
+)
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_many_buckets_match_dense(attn, block_size):
+    _scenario(attn, block_size, LONG, seed=5, num_blocks=200, outputs=[6, 0, 3, 7])
+
+
+def test_sinks_with_long_prefills_match_dense():
+    _scenario(AttentionType("sliding", 16), 8, LONG, seed=6, sinks=True, num_blocks=100, outputs=[1, 4])
+    _scenario(FULL, 4, LONG, seed=7, softcap=2.0, num_blocks=200)
 
 
 def test_sinks_and_softcap_match_dense():

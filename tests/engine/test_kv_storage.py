@@ -14,7 +14,7 @@ from hybridkv.errors import InvalidArgumentError, InvalidConfigError, InvariantV
 def test_layout_shares_tensor_j_across_groups():
     s = PagedKVStorage([[3, 7], [0, 4], [1, 5], [2, 6]], block_size=4, num_blocks=10, num_kv_heads=2, head_size=8)
     assert s.num_positions == 2 and s.num_groups == 4 and s.num_layers == 8
-    assert s.kv_caches[0].shape == (2, 10, 4, 2, 8)
+    assert s.kv_caches[0].shape == (2, 2, 10, 4, 8)  # [K/V, heads, blocks, block_size, dim]
     assert s.layer_to_group_position[7] == (0, 1)
     assert s.group_of(5) == 2
     assert s.kv_cache(0) is s.kv_cache(3) is s.kv_caches[0]
@@ -35,12 +35,14 @@ def test_write_by_slot_and_read_back():
     slots = torch.tensor([5 * 4 + 1, 2 * 4 + 3, 1 * 4 + 0])
     s.write(1, slots, k, v)
     cache = s.kv_cache(1)
-    assert torch.equal(cache[0, 5, 1], k[0]) and torch.equal(cache[1, 2, 3], v[1])
-    assert torch.equal(cache[0, 1, 0], k[2])
+    assert torch.equal(cache[0, :, 5, 1], k[0]) and torch.equal(cache[1, :, 2, 3], v[1])
+    assert torch.equal(cache[0, :, 1, 0], k[2])
     # layer 1 lives in tensor 0 of group 1 -- shared with layer 0, so layer 0 sees the same memory
-    assert torch.equal(s.kv_cache(0)[0, 5, 1], k[0])
-    k_flat, _ = s.flat_kv(1)
-    assert torch.equal(k_flat[slots], k)
+    assert torch.equal(s.kv_cache(0)[0, :, 5, 1], k[0])
+    k_flat, v_flat = s.flat_kv(1)
+    assert torch.equal(k_flat[slots], k) and torch.equal(v_flat[slots], v)
+    both = s.gather(1, slots)  # [2H, n, D]: keys of every head, then values
+    assert torch.equal(both[:2].transpose(0, 1), k) and torch.equal(both[2:].transpose(0, 1), v)
 
 
 def test_null_block_writes_and_out_of_pool_slots_are_refused():
@@ -78,7 +80,7 @@ def test_fill_blocks_poisons_every_tensor():
     assert s.kv_caches[0].dtype == torch.bfloat16
     s.fill_blocks([2], float("nan"))
     for cache in s.kv_caches:
-        assert torch.isnan(cache[:, 2]).all() and not torch.isnan(cache[:, 1]).any()
+        assert torch.isnan(cache[:, :, 2]).all() and not torch.isnan(cache[:, :, 1]).any()
 
 
 def test_from_core_kv_cache_config():
@@ -92,7 +94,7 @@ def test_from_core_kv_cache_config():
     )
     s = PagedKVStorage.from_kv_cache_config(config)
     assert s.groups == ((3,), (0, 1))
-    assert s.kv_caches[0].shape == (2, 20, 8, 2, 16) and s.kv_caches[0].dtype == torch.float32
+    assert s.kv_caches[0].shape == (2, 2, 20, 8, 16) and s.kv_caches[0].dtype == torch.float32
     assert layer_index(5) == 5
     with pytest.raises(InvalidConfigError):
         layer_index("lm_head")

@@ -77,6 +77,22 @@ def test_sampler_filters():
     assert len(unseeded) > 2
 
 
+def test_sample_rows_equals_row_by_row_sampling():
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(3))
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_k=5, seed=11),
+        SamplingParams(),
+        SamplingParams(temperature=1.3),  # unseeded: draws from the sampler's own generator, in row order
+        SamplingParams(temperature=0.9, top_p=0.8, seed=2),
+    ]
+    counts = [0, 3, 1, 4, 9]
+    one_by_one = Sampler(5)
+    want = [one_by_one.sample(logits[i], p, n) for i, (p, n) in enumerate(zip(params, counts))]
+    assert Sampler(5).sample_rows(logits, params, counts) == want
+    assert want[0] == int(logits[0].argmax()) and want[2] == int(logits[2].argmax())
+
+
 def test_execute_rejects_bad_steps(llama4):
     model, _ = llama4
     runner = _runner(model)

@@ -13,23 +13,30 @@ Which keys a query at position ``p`` may see (HF transformers 5.24 conventions,
     sliding W  k in (p - W, p]      i.e. k > p - W       (W keys, itself included)
     chunked C  k in [floor(p/C)*C, p]  i.e. k//C == p//C
 
-For each (group, attention type) the step gathers, per sequence, only the key range
-the sequence's queries can reach, ``[first_allowed(start), start + q_len)``; a block
-in that range must not be the null block (checked: :class:`InvariantViolation`).
-Sequences are padded to ``Qmax`` queries and ``Kmax`` keys so one layer is one
-gather, one batched matmul and one masked softmax; padded key slots repeat a real
-slot of the same sequence and are masked out.
+Per attention type the step's queries are cut into segments and batched into a few
+padded buckets (:mod:`hybridkv.engine.attention_plan`): all single-query segments
+(decodes) in one, prefill segments grouped by shape. A bucket is one gather of K and
+V (one ``index_select`` over slots, all heads), then either a hand-written kernel
+(``baddbmm`` + softmax + ``bmm``; decodes, learned sinks, soft-capping) or
+``scaled_dot_product_attention`` (prefill buckets, ``is_causal`` when the segments
+read only their own keys). Layouts are built once per step and attention type, key
+slots once per step and group. With ``storage.debug`` a needed key that the block
+table maps to the null block raises :class:`InvariantViolation`.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
+from hybridkv.engine.attention_plan import Bucket, Layout, build_layout, visible_keys
+from hybridkv.engine.host import long_tensor
 from hybridkv.engine.kv_storage import PagedKVStorage
-from hybridkv.errors import InvalidArgumentError, InvalidConfigError, InvariantViolation
+from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 
 __all__ = ["AttentionType", "FULL", "AttentionMetadata", "paged_attention", "allowed_key_mask"]
 
@@ -68,49 +75,35 @@ FULL = AttentionType("full")
 
 def allowed_key_mask(attn: AttentionType, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """Bool mask, True where query position ``q_pos[..., i, None]`` may see ``k_pos[..., None, j]``."""
-    q = q_pos.unsqueeze(-1)
-    k = k_pos.unsqueeze(-2)
-    allowed = k <= q
-    if attn.kind == "sliding":
-        allowed &= k > q - attn.size
-    elif attn.kind == "chunked":
-        allowed &= torch.div(k, attn.size, rounding_mode="floor") == torch.div(q, attn.size, rounding_mode="floor")
-    return allowed
-
-
-@dataclass(slots=True)
-class _GatherPlan:
-    """What one (group, attention type) reads this step."""
-
-    k_slots: torch.Tensor  # [S * Kmax] int64: slot of each padded key
-    bias: torch.Tensor  # [S, 1, 1, Qmax, Kmax] float: 0 where allowed, -inf elsewhere
-    k_max: int
+    return visible_keys(attn.kind, attn.size, q_pos, k_pos)
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     """Everything the attention layers of one step read, built once per step.
 
-    Use :meth:`build`. Tensors: ``positions`` [T]; ``q_dest`` [T] (row of each token
-    in the padded ``[S * Qmax]`` query layout); ``start`` / ``q_len`` / ``seq_len``
+    Use :meth:`build`. Tensors: ``positions`` [T]; ``start`` / ``q_len`` / ``seq_len``
     [S]; ``block_tables[g]`` [S, max_blocks_g] (padded with the null block, which is
-    never read); ``slot_mappings[g]`` [T].
+    never read); ``slot_mappings[g]`` [T]. ``starts`` / ``query_lens``: the same as
+    Python ints (the layouts are planned from them). ``output_seqs``: the sequences
+    whose last token's output the step needs (None: every token's).
     """
 
     storage: PagedKVStorage
     positions: torch.Tensor
-    q_dest: torch.Tensor
     start: torch.Tensor
     q_len: torch.Tensor
     seq_len: torch.Tensor
-    q_max: int
+    starts: list[int]
+    query_lens: list[int]
     block_tables: list[torch.Tensor]
     slot_mappings: list[torch.Tensor]
-    _plans: dict[tuple[int, AttentionType], _GatherPlan] = field(default_factory=dict)
+    output_seqs: list[int] | None = None
+    _memo: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
-        return int(self.start.shape[0])
+        return len(self.starts)
 
     @property
     def num_tokens(self) -> int:
@@ -123,8 +116,13 @@ class AttentionMetadata:
         num_computed: Sequence[int],
         query_lens: Sequence[int],
         block_ids: Sequence[Sequence[Sequence[int]]],
+        output_seqs: Sequence[int] | None = None,
     ) -> "AttentionMetadata":
-        """Metadata for ``S`` sequences; ``block_ids[s][g]`` is sequence ``s``'s group-``g`` table."""
+        """Metadata for ``S`` sequences; ``block_ids[s][g]`` is sequence ``s``'s group-``g`` table.
+
+        output_seqs: sequence indices whose last token's output is wanted (the model then
+        runs its last layer's attention queries and MLP for those rows only).
+        """
         device = storage.device
         bs = storage.block_size
         num_seqs = len(num_computed)
@@ -132,6 +130,8 @@ class AttentionMetadata:
             raise InvalidArgumentError("num_computed, query_lens and block_ids must have one entry per sequence")
         if num_seqs == 0:
             raise InvalidArgumentError("a step needs at least one sequence")
+        if output_seqs is not None and any(not 0 <= s < num_seqs for s in output_seqs):
+            raise InvalidArgumentError(f"output_seqs must index the {num_seqs} sequences, got {list(output_seqs)}")
         for s, (n, q, tables) in enumerate(zip(num_computed, query_lens, block_ids)):
             if n < 0 or q <= 0:
                 raise InvalidArgumentError(f"sequence {s}: need num_computed >= 0 and >= 1 new token, got {n}, {q}")
@@ -146,72 +146,87 @@ class AttentionMetadata:
                         f"sequence {s} group {g}: {len(table)} blocks cannot hold {n + q} tokens of block size {bs}"
                     )
 
-        start = torch.tensor(list(num_computed), dtype=torch.long, device=device)  # [S]
-        q_len = torch.tensor(list(query_lens), dtype=torch.long, device=device)  # [S]
-        q_max = int(max(query_lens))
-        seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_len)  # [T]
-        cu = torch.cumsum(q_len, 0) - q_len  # [S] first flat token of each sequence
-        offset = torch.arange(seq_ids.shape[0], device=device) - cu[seq_ids]  # [T] index within the sequence
-        positions = start[seq_ids] + offset  # [T]
-        q_dest = seq_ids * q_max + offset  # [T]
+        starts, lens = [int(n) for n in num_computed], [int(q) for q in query_lens]
+        start = long_tensor(starts, device)  # [S]
+        q_len = long_tensor(lens, device)  # [S]
+        if max(lens) == 1:  # a pure decode step: one token per sequence
+            seq_ids = torch.arange(num_seqs, device=device)  # [T = S]
+            positions = start
+        else:
+            seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_len)  # [T]
+            cu = torch.cumsum(q_len, 0) - q_len  # [S] first flat token of each sequence
+            offset = torch.arange(seq_ids.shape[0], device=device) - cu[seq_ids]  # [T] index within the sequence
+            positions = start[seq_ids] + offset  # [T]
 
-        block_tables: list[torch.Tensor] = []
-        slot_mappings: list[torch.Tensor] = []
-        for g in range(storage.num_groups):
-            width = max(len(tables[g]) for tables in block_ids)
-            rows = [list(tables[g]) + [0] * (width - len(tables[g])) for tables in block_ids]
-            table = torch.tensor(rows, dtype=torch.long, device=device)  # [S, max_blocks], null-padded
-            block_tables.append(table)
-            blocks = table[seq_ids, torch.div(positions, bs, rounding_mode="floor")]  # [T]
-            slot_mappings.append(blocks * bs + positions % bs)
+        # every group's table in one tensor [S, G, W], null-padded to the widest table
+        num_groups = storage.num_groups
+        width = max(len(t) for tables in block_ids for t in tables)
+        flat: list[int] = []
+        for tables in block_ids:
+            for t in tables:
+                flat.extend(t)
+                flat.extend([0] * (width - len(t)))
+        tables_sgw = long_tensor(flat, device).view(num_seqs, num_groups, width)  # [S, G, W]
+        slots = tables_sgw.permute(1, 0, 2)[:, seq_ids, torch.div(positions, bs, rounding_mode="floor")]  # [G, T]
+        slots = slots * bs + positions % bs
         return cls(
             storage=storage,
             positions=positions,
-            q_dest=q_dest,
             start=start,
             q_len=q_len,
             seq_len=start + q_len,
-            q_max=q_max,
-            block_tables=block_tables,
-            slot_mappings=slot_mappings,
+            starts=starts,
+            query_lens=lens,
+            block_tables=[tables_sgw[:, g] for g in range(num_groups)],  # [S, W] views
+            slot_mappings=list(slots.unbind(0)),  # [T] each
+            output_seqs=None if output_seqs is None else [int(s) for s in output_seqs],
         )
 
-    def plan(self, group: int, attn: AttentionType) -> _GatherPlan:
-        """The gather / mask of ``group`` under ``attn``, computed once per step."""
-        key = (group, attn)
-        cached = self._plans.get(key)
-        if cached is not None:
-            return cached
-        bs = self.storage.block_size
-        device = self.positions.device
-        k_first = attn.first_key(self.start)  # [S] first key any query of the sequence may see
-        k_len = self.seq_len - k_first  # [S]
-        k_max = int(k_len.max())
-        j = torch.arange(k_max, device=device)  # [Kmax]
-        k_valid = j.unsqueeze(0) < k_len.unsqueeze(1)  # [S, Kmax]
-        # padded keys repeat the last real key of their sequence (a live slot) and are masked out
-        k_pos = k_first.unsqueeze(1) + torch.minimum(j.unsqueeze(0), (k_len - 1).unsqueeze(1))  # [S, Kmax]
-        table = self.block_tables[group]  # [S, max_blocks]
-        k_blocks = table.gather(1, torch.div(k_pos, bs, rounding_mode="floor"))  # [S, Kmax]
-        if bool((k_blocks == 0).any()):
-            s, col = (k_blocks == 0).nonzero()[0].tolist()
-            raise InvariantViolation(
-                f"group {group} ({attn.kind}): sequence {s} needs key position {int(k_pos[s, col])}, "
-                f"which its block table maps to the null block"
-            )
-        k_slots = (k_blocks * bs + k_pos % bs).reshape(-1)  # [S * Kmax]
+    def memo(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()`` once per step under ``key`` (per-step tensors every layer reuses)."""
+        try:
+            return self._memo[key]
+        except KeyError:
+            value = self._memo[key] = make()
+            return value
 
-        i = torch.arange(self.q_max, device=device)  # [Qmax]
-        q_pos = self.start.unsqueeze(1) + i.unsqueeze(0)  # [S, Qmax]
-        q_valid = i.unsqueeze(0) < self.q_len.unsqueeze(1)  # [S, Qmax]
-        allowed = allowed_key_mask(attn, q_pos, k_pos) & k_valid.unsqueeze(1)  # [S, Qmax, Kmax]
-        # padded query rows are discarded; let them see their first key so no row is all -inf
-        allowed |= (~q_valid).unsqueeze(2) & (j == 0).view(1, 1, -1)
-        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
-        bias.masked_fill_(~allowed, float("-inf"))
-        plan = _GatherPlan(k_slots=k_slots, bias=bias.view(self.num_seqs, 1, 1, self.q_max, k_max), k_max=k_max)
-        self._plans[key] = plan
-        return plan
+    def output_rows(self) -> torch.Tensor | None:
+        """[N] flat index of the last token of each of ``output_seqs``; None: all T rows, in order."""
+
+        def make() -> torch.Tensor | None:
+            seqs = self.output_seqs
+            if seqs is None or (len(seqs) == self.num_tokens and seqs == list(range(self.num_seqs))):
+                return None
+            ends = list(itertools.accumulate(self.query_lens))
+            return long_tensor([ends[s] - 1 for s in seqs], self.positions.device)
+
+        return self.memo("output_rows", make)
+
+    def layout(self, attn: AttentionType, outputs_only: bool = False) -> Layout:
+        """The segments / buckets of ``attn`` this step (shared by all groups of that type).
+
+        outputs_only: one query per ``output_seqs`` entry (its last token), in that order.
+        """
+
+        def make() -> Layout:
+            bs, device = self.storage.block_size, self.positions.device
+            if not outputs_only:
+                return build_layout(attn.kind, attn.size, self.starts, self.query_lens, bs, device)
+            seqs = self.output_seqs or []
+            ends = [self.starts[s] + self.query_lens[s] - 1 for s in seqs]
+            return build_layout(attn.kind, attn.size, ends, [1] * len(seqs), bs, device, seqs=seqs)
+
+        return self.memo(("layout", attn, outputs_only), make)
+
+    def key_slots(self, group: int, attn: AttentionType, outputs_only: bool = False) -> list[torch.Tensor]:
+        """Per bucket of :meth:`layout`, the slots of its padded keys [B * K] in ``group``."""
+        storage = self.storage
+        return self.memo(
+            ("slots", group, attn, outputs_only),
+            lambda: self.layout(attn, outputs_only).key_slots(
+                self.block_tables[group], storage.block_size, storage.debug, group
+            ),
+        )
 
 
 def paged_attention(
@@ -224,43 +239,95 @@ def paged_attention(
     scale: float,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V of ``layer``, then attend through its block tables.
 
-    query: [T, Hq, D]; key / value: [T, Hkv, D]; sinks: [Hq] learned logits that join
-    the softmax denominator (GPT-OSS); softcap: ``tanh(s / c) * c`` on the scores.
-    Returns [T, Hq, D].
+    query: [T, Hq, D]; key / value: [T, Hkv, D] (any strides with a unit last dim);
+    sinks: [Hq] learned logits that join the softmax denominator (GPT-OSS); softcap:
+    ``tanh(s / c) * c`` on the scores; keep: ``meta.output_rows()`` to attend only
+    from those rows (K/V of all T tokens are still written). Returns [T, Hq, D]
+    ([N, Hq, D] with ``keep``).
     """
     storage = meta.storage
     group = storage.group_of(layer)
     storage.write(layer, meta.slot_mappings[group], key, value)
+    outputs_only = keep is not None
+    if outputs_only:
+        query = query.index_select(0, keep)  # [N, Hq, D]
+    layout = meta.layout(attn, outputs_only)
+    slots = meta.key_slots(group, attn, outputs_only)
+    manual = sinks is not None or softcap is not None
+    results = []
+    for bucket, k_slots in zip(layout.buckets, slots):
+        q = query if bucket.q_rows is None else query.index_select(0, bucket.q_rows)  # [B * Q, Hq, D]
+        kv = storage.gather(layer, k_slots)  # [2 Hkv, B * K, D]
+        if bucket.q == 1 or manual:
+            out = _attend_manual(q, kv, bucket, scale, sinks, softcap)
+        else:
+            out = _attend_sdpa(q, kv, bucket, scale)
+        results.append(out if bucket.out_rows is None else out.index_select(0, bucket.out_rows))  # [n, Hq, D]
+    if layout.in_order:
+        return results[0]
+    merged = query.new_empty(query.shape)  # [T, Hq, D]
+    for bucket, out in zip(layout.buckets, results):
+        merged.index_copy_(0, bucket.tokens, out)
+    return merged
 
-    plan = meta.plan(group, attn)
-    num_seqs, q_max, k_max = meta.num_seqs, meta.q_max, plan.k_max
-    num_heads, head_size = query.shape[1], query.shape[2]
-    num_kv = storage.num_kv_heads
+
+def _attend_manual(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    bucket: Bucket,
+    scale: float,
+    sinks: torch.Tensor | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [B * Q, Hq, D], kv [2 Hkv, B * K, D] -> [B * Q, Hq, D]; batched over (KV head, segment)."""
+    num, q_len, k_len = bucket.num, bucket.q, bucket.k
+    num_heads, head_size = q.shape[1], q.shape[2]
+    num_kv = kv.shape[0] // 2
     rep = num_heads // num_kv
-
-    k_flat, v_flat = storage.flat_kv(layer)  # [num_slots, Hkv, D]
-    k = k_flat.index_select(0, plan.k_slots).view(num_seqs, k_max, num_kv, head_size)  # [S, Kmax, Hkv, D]
-    v = v_flat.index_select(0, plan.k_slots).view(num_seqs, k_max, num_kv, head_size)
-    k = k.permute(0, 2, 1, 3).unsqueeze(2).to(query.dtype)  # [S, Hkv, 1, Kmax, D]
-    v = v.permute(0, 2, 1, 3).unsqueeze(2).to(query.dtype)
-
-    q = query.new_zeros(num_seqs * q_max, num_heads, head_size)  # [S * Qmax, Hq, D]
-    q.index_copy_(0, meta.q_dest, query)
+    dtype = q.dtype
+    if kv.dtype != torch.float32 or dtype != torch.float32:  # scores and softmax in fp32
+        q, kv = q.float(), kv.float()
     # query head h reads KV head h // rep (HF repeat_kv order)
-    q = q.view(num_seqs, q_max, num_kv, rep, head_size).permute(0, 2, 3, 1, 4)  # [S, Hkv, rep, Qmax, D]
-
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [S, Hkv, rep, Qmax, Kmax]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.float() + plan.bias
+    q3 = q.view(num, q_len, num_kv, rep, head_size).permute(2, 0, 3, 1, 4)  # [Hkv, B, rep, Q, D]
+    q3 = q3.reshape(num_kv * num, rep * q_len, head_size)
+    k = kv[:num_kv].view(num_kv * num, k_len, head_size)  # [Hkv * B, K, D]
+    v = kv[num_kv:].view(num_kv * num, k_len, head_size)
+    bias = bucket.bias_by_kv_head(num_kv, rep)  # [Hkv * B, rep * Q, K]
+    if softcap is None:
+        scores = torch.baddbmm(bias, q3, k.transpose(1, 2), alpha=scale)  # [Hkv * B, rep * Q, K]
+    else:
+        scores = torch.bmm(q3, k.transpose(1, 2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap + bias
     if sinks is not None:
-        sink = sinks.float().view(1, num_kv, rep, 1, 1).expand(num_seqs, num_kv, rep, q_max, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        sink = sinks.float().view(num_kv, 1, rep, 1, 1).expand(num_kv, num, rep, q_len, 1)
+        scores = torch.cat([scores, sink.reshape(num_kv * num, rep * q_len, 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs.to(v.dtype), v)  # [S, Hkv, rep, Qmax, D]
-    out = out.permute(0, 3, 1, 2, 4).reshape(num_seqs * q_max, num_heads, head_size)  # [S * Qmax, Hq, D]
-    return out.index_select(0, meta.q_dest)  # [T, Hq, D]
+    out = torch.bmm(probs, v)  # [Hkv * B, rep * Q, D]
+    out = out.view(num_kv, num, rep, q_len, head_size).permute(1, 3, 0, 2, 4)  # [B, Q, Hkv, rep, D]
+    out = out.reshape(num * q_len, num_heads, head_size)
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def _attend_sdpa(q: torch.Tensor, kv: torch.Tensor, bucket: Bucket, scale: float) -> torch.Tensor:
+    """q [B * Q, Hq, D], kv [2 Hkv, B * K, D] -> [B * Q, Hq, D] with torch's fused attention."""
+    num, q_len, k_len = bucket.num, bucket.q, bucket.k
+    num_heads, head_size = q.shape[1], q.shape[2]
+    num_kv = kv.shape[0] // 2
+    kv = kv.to(q.dtype).view(2, num_kv, num, k_len, head_size).transpose(1, 2)  # [2, B, Hkv, K, D]
+    q4 = q.view(num, q_len, num_heads, head_size).transpose(1, 2)  # [B, Hq, Q, D]
+    out = F.scaled_dot_product_attention(
+        q4,
+        kv[0],
+        kv[1],
+        attn_mask=None if bucket.causal else bucket.bias().to(q.dtype),
+        is_causal=bucket.causal,
+        scale=scale,
+        enable_gqa=num_heads != num_kv,
+    )  # [B, Hq, Q, D]
+    return out.transpose(1, 2).reshape(num * q_len, num_heads, head_size)

@@ -9,7 +9,10 @@ KV for the blocks group ``g`` owns. ``P = max(len(group))`` tensors in all::
     groups = [[3, 7], [0, 4], [1, 5], [2, 6]]      # Llama-4 shaped, 8 layers
     tensor 0: layers 3, 0, 1, 2     tensor 1: layers 7, 4, 5, 6
 
-Each tensor is ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K then V).
+Each tensor is ``[2, num_kv_heads, num_blocks, block_size, head_size]`` (K then V,
+head-major): the keys of one head are one ``[num_slots, head_size]`` matrix, so one
+``index_select`` over slots gathers K and V of every head already in the
+``[head, sequence, key, dim]`` order the attention batches over (no transpose copy).
 A *slot* is ``block_id * block_size + offset``. Block 0 is the null block: it is
 never written (a write to a slot below ``block_size`` is refused) and the attention
 never gathers it (checked in :mod:`hybridkv.engine.attention`).
@@ -115,13 +118,16 @@ class PagedKVStorage:
                 self.layer_to_group_position[layer] = (g, j)
 
         num_positions = max(len(g) for g in self.groups)
-        # kv_caches[j]: [2 (K, V), num_blocks, block_size, num_kv_heads, head_size]
+        # kv_caches[j]: [2 (K, V), num_kv_heads, num_blocks, block_size, head_size]
         self.kv_caches: list[torch.Tensor] = [
             torch.zeros(
-                2, num_blocks, block_size, num_kv_heads, head_size, dtype=self.dtype, device=self.device
+                2, num_kv_heads, num_blocks, block_size, head_size, dtype=self.dtype, device=self.device
             )
             for _ in range(num_positions)
         ]
+        self.num_slots = num_blocks * block_size
+        # by_slot[j]: the same memory as [2 * num_kv_heads, num_slots, head_size]
+        self._by_slot = [c.view(2 * num_kv_heads, self.num_slots, head_size) for c in self.kv_caches]
 
     @classmethod
     def from_kv_cache_config(
@@ -155,14 +161,17 @@ class PagedKVStorage:
         return self._locate(layer)[0]
 
     def kv_cache(self, layer: int) -> torch.Tensor:
-        """The ``[2, num_blocks, block_size, H, D]`` tensor that holds ``layer``."""
+        """The ``[2, H, num_blocks, block_size, D]`` tensor that holds ``layer``."""
         return self.kv_caches[self._locate(layer)[1]]
 
     def flat_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``layer``'s K and V viewed by slot: two ``[num_blocks * block_size, H, D]`` views."""
-        cache = self.kv_cache(layer)
-        flat = cache.view(2, self.num_blocks * self.block_size, self.num_kv_heads, self.head_size)
-        return flat[0], flat[1]
+        """``layer``'s K and V viewed by slot: two ``[num_slots, H, D]`` (strided) views."""
+        flat = self._by_slot[self._locate(layer)[1]].view(2, self.num_kv_heads, self.num_slots, self.head_size)
+        return flat[0].transpose(0, 1), flat[1].transpose(0, 1)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """K and V of ``layer`` at ``slots`` [n]: ``[2 * H, n, D]`` (rows ``:H`` keys, ``H:`` values)."""
+        return self._by_slot[self._locate(layer)[1]].index_select(1, slots)
 
     def _locate(self, layer: int) -> tuple[int, int]:
         try:
@@ -202,9 +211,12 @@ class PagedKVStorage:
                 raise InvariantViolation(
                     f"slot {hi} beyond the pool ({self.num_blocks} blocks of {self.block_size}) in layer {layer}"
                 )
-        k_flat, v_flat = self.flat_kv(layer)  # [num_blocks * block_size, H, D]
-        k_flat.index_copy_(0, slot_mapping, key.to(self.dtype))
-        v_flat.index_copy_(0, slot_mapping, value.to(self.dtype))
+        kv = self._by_slot[self._locate(layer)[1]]  # [2H, num_slots, D]
+        h = self.num_kv_heads
+        if key.dtype != self.dtype:
+            key, value = key.to(self.dtype), value.to(self.dtype)
+        kv[:h].index_copy_(1, slot_mapping, key.transpose(0, 1))  # [H, T, D] source
+        kv[h:].index_copy_(1, slot_mapping, value.transpose(0, 1))
 
     def fill_blocks(self, block_ids: Sequence[int], value: float) -> None:
         """Overwrite whole blocks in every tensor (tests poison freed blocks with NaN)."""
@@ -212,4 +224,4 @@ class PagedKVStorage:
             return
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
         for cache in self.kv_caches:
-            cache.index_fill_(1, idx, value)
+            cache.index_fill_(2, idx, value)

@@ -5,9 +5,11 @@ positions, block tables per group) is in the scheduler output, and the KV lives 
 the :class:`PagedKVStorage`. A step:
 
 1. flattens the scheduled requests into ``T`` tokens (varlen, request order);
-2. builds :class:`AttentionMetadata` (slot mappings + gather plans per group);
-3. runs the model, computes logits only at the last token of each request with
-   ``sample=True``, and samples one token per such request.
+2. builds :class:`AttentionMetadata` (slot mappings per group; the attention plans
+   its layouts from it once per step and attention type);
+3. runs the model - the last layer's attention queries and MLP, and the logits, only
+   at the last token of each request with ``sample=True`` - and samples one token per
+   such request (all greedy rows in one ``argmax``).
 
 ``last_logits`` keeps those logits (``{request_id: [vocab]}``) for tests.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from hybridkv.engine.attention import AttentionMetadata
+from hybridkv.engine.host import long_tensor
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.sampling import Sampler
@@ -64,28 +67,27 @@ class PagedModelRunner:
             seen.add(r.request_id)
             if len(r.token_ids) == 0:
                 raise InvalidArgumentError(f"request {r.request_id!r} is scheduled with no tokens")
+        flat_ids = [t for r in reqs for t in r.token_ids]
+        vocab = self.model.vocab_size
+        if min(flat_ids) < 0 or max(flat_ids) >= vocab:
+            raise InvalidArgumentError(f"token ids must be in [0, {vocab}), got {min(flat_ids)}..{max(flat_ids)}")
+        sampled = [i for i, r in enumerate(reqs) if r.sample]
         meta = AttentionMetadata.build(
             self.storage,
             [r.num_computed_tokens for r in reqs],
             [len(r.token_ids) for r in reqs],
             [r.block_ids for r in reqs],
+            output_seqs=sampled,
         )
-        flat_ids = [t for r in reqs for t in r.token_ids]
-        input_ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)  # [T]
-        vocab = self.model.vocab_size
-        if min(flat_ids) < 0 or max(flat_ids) >= vocab:
-            raise InvalidArgumentError(f"token ids must be in [0, {vocab}), got {min(flat_ids)}..{max(flat_ids)}")
-
-        hidden = self.model(input_ids, meta.positions, meta)  # [T, hidden]
-
-        sampled = [i for i, r in enumerate(reqs) if r.sample]
+        input_ids = long_tensor(flat_ids, self.device)  # [T]
+        hidden = self.model(input_ids, meta.positions, meta)  # [N, hidden]: sampled requests' last tokens
         if not sampled:
             return {}
-        ends = torch.cumsum(meta.q_len, 0) - 1  # [S] flat index of each request's last token
-        logits = self.model.compute_logits(hidden[ends[sampled]])  # [N, vocab]
+        logits = self.model.compute_logits(hidden)  # [N, vocab]
+        chosen = [reqs[i] for i in sampled]
+        tokens = self.sampler.sample_rows(logits, [r.sampling for r in chosen], [r.num_output_tokens for r in chosen])
         result: dict[str, int] = {}
-        for row, i in enumerate(sampled):
-            r = reqs[i]
+        for row, (r, token) in enumerate(zip(chosen, tokens)):
             self.last_logits[r.request_id] = logits[row]
-            result[r.request_id] = self.sampler.sample(logits[row], r.sampling, r.num_output_tokens)
+            result[r.request_id] = token
         return result

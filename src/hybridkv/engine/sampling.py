@@ -9,6 +9,8 @@ recomputed. Requests without a seed draw from the sampler's own generator.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from hybridkv.scheduler.interface import SamplingParams
@@ -30,6 +32,19 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._unseeded = torch.Generator(device="cpu")
         self._unseeded.manual_seed(seed)
+
+    def sample_rows(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
+    ) -> list[int]:
+        """logits [N, vocab] -> one token per row; all greedy rows in one ``argmax``.
+
+        Rows are drawn in order, so unseeded draws come out as from :meth:`sample` row by row.
+        """
+        greedy = torch.argmax(logits, dim=-1).tolist() if any(p.greedy for p in params) else []
+        return [
+            greedy[row] if p.greedy else self.sample(logits[row], p, n)
+            for row, (p, n) in enumerate(zip(params, num_output_tokens))
+        ]
 
     def sample(self, logits: torch.Tensor, params: SamplingParams, num_output_tokens: int) -> int:
         """logits [vocab] -> one token id."""

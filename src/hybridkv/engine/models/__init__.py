@@ -65,7 +65,7 @@ def model_class_for(config: Mapping[str, Any]) -> type[CausalLM]:
     )
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> CausalLM:
-    """Build the model of ``model_dir`` and load its weights."""
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu", prepack: bool = True) -> CausalLM:
+    """Build the model of ``model_dir`` and load its weights (``prepack``: CausalLM.prepack_weights)."""
     config = read_config(model_dir)
-    return model_class_for(config).from_config(config, model_dir, dtype=dtype, device=device)
+    return model_class_for(config).from_config(config, model_dir, dtype=dtype, device=device, prepack=prepack)

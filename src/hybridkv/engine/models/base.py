@@ -23,6 +23,7 @@ from hybridkv.core.specs import (
 )
 from hybridkv.engine.attention import AttentionMetadata, AttentionType
 from hybridkv.engine.kv_storage import torch_dtype
+from hybridkv.engine.models.linear import Linear
 from hybridkv.engine.models.rope import RotaryEmbedding
 from hybridkv.engine.models.weights import load_weights, read_config
 from hybridkv.errors import InvalidConfigError
@@ -84,16 +85,20 @@ class CausalLM(nn.Module):
     # ---------------------------------------------------------------- building
     def _build_head(self) -> None:
         """``lm_head``, tied to ``model.embed_tokens`` when the config says so."""
-        self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+        self.lm_head = Linear(self.hidden_size, self.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+        cls,
+        model_dir: str | Path,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        prepack: bool = True,
     ) -> "CausalLM":
         """Build from ``model_dir/config.json`` and load its safetensors by HF name."""
-        return cls.from_config(read_config(model_dir), model_dir, dtype=dtype, device=device)
+        return cls.from_config(read_config(model_dir), model_dir, dtype=dtype, device=device, prepack=prepack)
 
     @classmethod
     def from_config(
@@ -102,7 +107,9 @@ class CausalLM(nn.Module):
         model_dir: str | Path,
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
+        prepack: bool = True,
     ) -> "CausalLM":
+        """Build, load the weights, fuse q/k/v and gate/up; ``prepack``: see :meth:`prepack_weights`."""
         with torch.device("meta"):
             model = cls(config)
         model = model.to_empty(device=device).to(torch_dtype(dtype))
@@ -111,10 +118,35 @@ class CausalLM(nn.Module):
         model._init_buffers()
         tied = {"lm_head.weight": "model.embed_tokens.weight"} if model.tie_word_embeddings else {}
         load_weights(model, model_dir, tied=tied)
+        model.fuse_weights()
+        model.prepack_weights(prepack)
         return model.eval().requires_grad_(False)
 
     def _init_buffers(self) -> None:
         """Fill non-checkpoint tensors after ``to_empty`` (none by default)."""
+
+    def fuse_weights(self) -> None:
+        """Concatenate the weights that run on the same input (q/k/v, gate/up) into one matrix.
+
+        Every submodule with a ``fuse()`` method does it; the original parameters become
+        views of the fused matrix, so names, ``state_dict`` and memory stay as loaded.
+        Call it after the weights are loaded and the model is on its device (moving the
+        model afterwards keeps it correct but unshares the views).
+        """
+        for module in self.modules():
+            if module is not self and callable(getattr(module, "fuse", None)):
+                module.fuse()
+
+    def prepack_weights(self, enable: bool = True) -> None:
+        """Give every linear a oneDNN-prepacked copy of its weight (CPU fp32 only; else a no-op).
+
+        See :mod:`hybridkv.engine.models.linear`: faster matmuls for one more copy of
+        the linear weights in memory. ``enable=False`` drops the copies (plain
+        ``F.linear``). Call it again after changing the weights.
+        """
+        for module in self.modules():
+            if module is not self and callable(getattr(module, "prepack", None)):
+                module.prepack(enable)
 
     # ---------------------------------------------------------------- running
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -122,11 +154,20 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids / positions [T] -> final-norm hidden states [T, hidden]."""
+        """input_ids / positions [T] -> final-norm hidden states [T, hidden].
+
+        With ``meta.output_seqs`` set, [N, hidden] for the last token of each of those
+        sequences: every layer still computes and stores K/V for all T tokens, but the
+        last layer's attention queries, MLP and everything after run on these rows
+        only (in a prefill step, nearly a whole layer's work skipped).
+        """
+        keep = meta.output_rows()  # [N] or None
         hidden = self.embed(input_ids)
-        rope = {name: r.cos_sin(positions, hidden.dtype) for name, r in self.rotaries.items()}
-        for layer in self.model.layers:
+        rope = {name: r.tables(positions, hidden.dtype) for name, r in self.rotaries.items()}  # once per step
+        layers = self.model.layers
+        for layer in layers[:-1]:
             hidden = layer(hidden, positions, rope, meta)
+        hidden = layers[-1](hidden, positions, rope, meta, keep=keep)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -41,12 +41,19 @@ class Gemma3Attention(LlamaAttention):
         self.q_norm = RMSNorm(model.head_dim, model.eps, unit_offset=True)
         self.k_norm = RMSNorm(model.head_dim, model.eps, unit_offset=True)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         q, k, v = self.project(x)
         q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope[self.rope_name]
         q, k = apply_rotate_half(q, cos, sin), apply_rotate_half(k, cos, sin)
-        return self.attend(q, k, v, meta)
+        return self.attend(q, k, v, meta, keep=keep)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -66,8 +73,18 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), positions, rope, meta))
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(h), positions, rope, meta, keep=keep)  # [T or N, hidden]
+        if keep is not None:  # only these rows go on (see CausalLM.forward)
+            h = h.index_select(0, keep)
+        h = h + self.post_attention_layernorm(a)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 

@@ -47,11 +47,18 @@ class GptOssAttention(LlamaAttention):
         super().__init__(model, layer_idx, attn_type, qkv_bias=bias, o_bias=bias)
         self.sinks = nn.Parameter(torch.zeros(model.num_heads))  # [Hq]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.project(x)
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        qk, v = self.project_qk_v(x)
         cos, sin = rope[self.rope_name]
-        q, k = apply_rotate_half(q, cos, sin), apply_rotate_half(k, cos, sin)
-        return self.attend(q, k, v, meta, sinks=self.sinks)
+        q, k = self.split_qk(apply_rotate_half(qk, cos, sin))
+        return self.attend(q, k, v, meta, sinks=self.sinks, keep=keep)
 
 
 class GptOssRouter(nn.Module):

@@ -17,11 +17,13 @@ from torch import nn
 
 from hybridkv.engine.attention import FULL, AttentionMetadata, AttentionType, paged_attention
 from hybridkv.engine.models.base import CausalLM, activation, require
+from hybridkv.engine.models.linear import Linear, PackedWeight, fuse_linears, linear
 from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half, rope_parameters
 
 __all__ = ["RMSNorm", "GatedMLP", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "DecoderStack"]
 
-Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]
+#: rope name -> the rotary's per-step tables ((cos, sin), or cis for interleaved rotaries)
+Rope = dict[str, Any]
 
 
 class RMSNorm(nn.Module):
@@ -34,6 +36,8 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and not self.unit_offset:  # one op; same values as below in fp32
+            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
@@ -42,17 +46,31 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``."""
+    """``down(act(gate(x)) * up(x))``; after :meth:`fuse`, gate and up are one matmul."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.intermediate = intermediate
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
+        self.register_buffer("gate_up_weight", None, persistent=False)  # [2I, h] once fused
+        self.register_buffer("gate_up_bias", None, persistent=False)
+        self.gate_up_packed: PackedWeight | None = None
+
+    def fuse(self) -> None:
+        self.gate_up_weight, self.gate_up_bias = fuse_linears([self.gate_proj, self.up_proj])
+
+    def prepack(self, enable: bool = True) -> None:
+        self.gate_up_packed = PackedWeight.make(self.gate_up_weight) if enable else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)  # [T, 2I]
+        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
+        return self.down_proj(self.act(gate).mul_(up))  # act() returns a fresh tensor: no extra buffer
 
 
 class LlamaAttention(nn.Module):
@@ -74,29 +92,61 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = model.num_heads, model.num_kv_heads, d
         self.scale = d**-0.5
         self.rope_name = rope_name
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=o_bias)
+        self.q_proj = Linear(h, self.num_heads * d, bias=qkv_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=o_bias)
+        self.register_buffer("qkv_weight", None, persistent=False)  # [(Hq + 2 Hkv) D, h] once fused
+        self.register_buffer("qkv_bias", None, persistent=False)
+        self.qkv_packed: PackedWeight | None = None
+
+    def fuse(self) -> None:
+        self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def prepack(self, enable: bool = True) -> None:
+        self.qkv_packed = PackedWeight.make(self.qkv_weight) if enable else None
+
+    def project_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, Hq + 2 Hkv, D]: the q heads, then k, then v (one matmul once fused)."""
+        if self.qkv_weight is None:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        else:
+            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
+        return qkv.view(x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> q [T, Hq, D], k / v [T, Hkv, D]."""
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        return q, k, v
+        """x [T, hidden] -> q [T, Hq, D], k / v [T, Hkv, D] (views of one projection)."""
+        qkv = self.project_heads(x)
+        hq, hkv = self.num_heads, self.num_kv_heads
+        return qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+
+    def project_qk_v(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> qk [T, Hq + Hkv, D] (rope / norm them together), v [T, Hkv, D]."""
+        qkv = self.project_heads(x)
+        split = self.num_heads + self.num_kv_heads
+        return qkv[:, :split], qkv[:, split:]
+
+    def split_qk(self, qk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, Hq + Hkv, D] -> q [T, Hq, D], k [T, Hkv, D]."""
+        return qk[:, : self.num_heads], qk[:, self.num_heads :]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, **kw) -> torch.Tensor:
-        """Paged attention, then o_proj: -> [T, hidden]."""
-        out = paged_attention(q, k, v, meta, self.layer_idx, self.attn_type, self.scale, **kw)  # [T, Hq, D]
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        """Paged attention, then o_proj: -> [T, hidden] ([N, hidden] for the rows ``keep=`` names)."""
+        out = paged_attention(q, k, v, meta, self.layer_idx, self.attn_type, self.scale, **kw)  # [T or N, Hq, D]
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.project(x)
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        qk, v = self.project_qk_v(x)
         cos, sin = rope[self.rope_name]
-        q, k = apply_rotate_half(q, cos, sin), apply_rotate_half(k, cos, sin)
-        return self.attend(q, k, v, meta)
+        q, k = self.split_qk(apply_rotate_half(qk, cos, sin))
+        return self.attend(q, k, v, meta, keep=keep)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -109,8 +159,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(model.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(model.hidden_size, eps)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rope, meta)
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(h), positions, rope, meta, keep=keep)  # [T or N, hidden]
+        if keep is not None:  # only these rows go on (see CausalLM.forward)
+            h = h.index_select(0, keep)
+        h = h + a
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

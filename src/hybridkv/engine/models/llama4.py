@@ -34,6 +34,9 @@ __all__ = ["Llama4ForCausalLM"]
 
 
 def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weightless RMS norm over the last dim (HF ``Llama4TextL2Norm``)."""
+    if x.dtype == torch.float32:  # one op, same values
+        return nn.functional.rms_norm(x, (x.shape[-1],), None, eps)
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -50,17 +53,32 @@ class Llama4Attention(LlamaAttention):
         self.floor_scale = float(cfg.get("floor_scale", 8192))
         self.attn_scale = float(cfg.get("attn_scale", 0.1))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.project(x)
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        qk, v = self.project_qk_v(x)  # [T, Hq + Hkv, D], [T, Hkv, D]
         if self.use_rope:
-            cos, sin = rope["default"]
-            q, k = apply_interleaved(q, cos, sin), apply_interleaved(k, cos, sin)
+            qk = apply_interleaved(qk, rope["default"])
         if self.qk_norm:
-            q, k = _l2_norm(q, self.eps), _l2_norm(k, self.eps)
+            qk = _l2_norm(qk, self.eps)
+        q, k = self.split_qk(qk)
         if self.temperature_tuning:
+            q = (q * self._attn_scales(positions, meta)).to(q.dtype)  # [T, Hq, D] * [T, 1, 1]
+        return self.attend(q, k, v, meta, keep=keep)
+
+    def _attn_scales(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """[T, 1, 1]: ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``, once per step."""
+
+        def make() -> torch.Tensor:
             scales = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
-            q = (q * scales.view(-1, 1, 1)).to(q.dtype)  # [T, Hq, D] * [T, 1, 1]
-        return self.attend(q, k, v, meta)
+            return scales.view(-1, 1, 1)
+
+        return meta.memo(("llama4_attn_scales", self.floor_scale, self.attn_scale), make)
 
 
 class Llama4Experts(nn.Module):
@@ -114,8 +132,18 @@ class Llama4DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(model.hidden_size, model.eps)
         self.post_attention_layernorm = RMSNorm(model.hidden_size, model.eps)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rope, meta)
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(h), positions, rope, meta, keep=keep)  # [T or N, hidden]
+        if keep is not None:  # only these rows go on (see CausalLM.forward)
+            h = h.index_select(0, keep)
+        h = h + a
         return h + self.feed_forward(self.post_attention_layernorm(h))
 
 
@@ -149,7 +177,7 @@ class Llama4ForCausalLM(CausalLM):
             else:
                 raise InvalidConfigError(f"layer {i}: unsupported Llama 4 layer type {name!r}")
         self.rotaries["default"] = RotaryEmbedding(
-            rope_parameters(config, 500000.0), self.head_dim, self.max_position_embeddings
+            rope_parameters(config, 500000.0), self.head_dim, self.max_position_embeddings, interleaved=True
         )
         layers = [Llama4DecoderLayer(self, i) for i in range(n)]
         self.model = DecoderStack(self.vocab_size, self.hidden_size, layers, RMSNorm(self.hidden_size, self.eps))

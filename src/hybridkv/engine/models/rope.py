@@ -6,8 +6,12 @@ format) or ``rope_theta`` + ``rope_scaling`` (old format). Two ways to rotate:
 
 * ``apply_rotate_half`` - Llama, Mistral, Qwen2, Gemma 3, GPT-OSS: dims ``i`` and
   ``i + D/2`` form a pair;
-* ``apply_interleaved`` - Llama 4: dims ``2i`` and ``2i + 1`` form a pair (HF views
-  them as one complex number).
+* ``apply_interleaved`` - Llama 4: dims ``2i`` and ``2i + 1`` form a pair, one complex
+  number multiplied by ``cis = polar(1, angle) * attention_scaling`` (HF's own ops, so
+  bit-identical to HF; one complex multiply instead of a dozen real ops).
+
+``RotaryEmbedding.tables(positions)`` gives what the apply function of its kind takes:
+``(cos, sin)`` for rotate-half, ``cis`` for an ``interleaved`` rotary.
 """
 
 from __future__ import annotations
@@ -107,10 +111,13 @@ def _yarn(params: Mapping[str, Any], base: float, dim: int, max_pos: int) -> tup
 
 
 class RotaryEmbedding:
-    """cos / sin tables for given positions; ``inv_freq`` [D/2]."""
+    """cos / sin (or complex ``cis``) tables for given positions; ``inv_freq`` [D/2]."""
 
-    def __init__(self, params: Mapping[str, Any], head_dim: int, max_position_embeddings: int) -> None:
+    def __init__(
+        self, params: Mapping[str, Any], head_dim: int, max_position_embeddings: int, interleaved: bool = False
+    ) -> None:
         self.inv_freq, self.attention_scaling = inv_freq_and_scale(params, head_dim, max_position_embeddings)
+        self.interleaved = interleaved
 
     def freqs(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [T] -> angles [T, D/2] (fp32)."""
@@ -121,6 +128,15 @@ class RotaryEmbedding:
         f = self.freqs(positions)
         return (f.cos() * self.attention_scaling).to(dtype), (f.sin() * self.attention_scaling).to(dtype)
 
+    def cis(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [T] -> complex64 [T, D/2]: ``polar(1, angle) * attention_scaling`` (HF Llama 4)."""
+        f = self.freqs(positions)
+        return torch.polar(torch.ones_like(f), f) * self.attention_scaling
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """What this rotary's apply function takes: ``cis``, or ``(cos, sin)`` in ``dtype``."""
+        return self.cis(positions) if self.interleaved else self.cos_sin(positions, dtype)
+
 
 def apply_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D], cos / sin [T, D/2]: pairs (i, i + D/2) rotated by angle i."""
@@ -130,11 +146,9 @@ def apply_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def apply_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D], cos / sin [T, D/2]: pairs (2i, 2i + 1) rotated by angle i (complex product)."""
-    xf = x.float().reshape(*x.shape[:-1], -1, 2)  # [T, H, D/2, 2]
-    re, im = xf[..., 0], xf[..., 1]
-    c = cos.float().unsqueeze(1)  # [T, 1, D/2]
-    s = sin.float().unsqueeze(1)
-    out = torch.stack((re * c - im * s, re * s + im * c), dim=-1)
-    return out.flatten(-2).to(x.dtype)
+def apply_interleaved(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cis [T, D/2] complex: pairs (2i, 2i + 1) rotated by angle i (complex product)."""
+    xf = x if x.dtype == torch.float32 else x.float()
+    xc = torch.view_as_complex(xf.reshape(*x.shape[:-1], -1, 2))  # [T, H, D/2] complex
+    out = torch.view_as_real(xc * cis.unsqueeze(1)).flatten(-2)  # [T, H, D] fp32
+    return out if out.dtype == x.dtype else out.to(x.dtype)
