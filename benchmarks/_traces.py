@@ -494,9 +494,12 @@ def _noop() -> None:
 class HybridLane:
     """hybridkv's KVCacheManager (system python3 or any python with src/ on the path)."""
 
-    def __init__(self, uncached_first: bool = True, hash_algo: str = "sha256", name: str | None = None):
+    def __init__(self, uncached_first: bool = True, hash_algo: str = "sha256", name: str | None = None,
+                 stripe_groups: bool = True, read_ids: bool = False):
         self.uncached_first = uncached_first
         self.hash_algo = hash_algo
+        self.stripe_groups = stripe_groups
+        self.read_ids = read_ids  # read every group's block ids after each allocation (as the scheduler does)
         self.name = name or ("hybridkv" if uncached_first else "hybridkv(lru)")
         self.kv = None
 
@@ -520,11 +523,22 @@ class HybridLane:
         cfg = KVCacheConfig(num_blocks=tr.num_blocks, groups=tuple(groups))
         self.kv = kv = KVCacheManager(
             cfg,
-            CacheManagerConfig(max_model_len=tr.max_model_len, enable_caching=True, hash_algo=self.hash_algo),
+            CacheManagerConfig(max_model_len=tr.max_model_len, enable_caching=True, hash_algo=self.hash_algo,
+                               stripe_groups=self.stripe_groups),
             uncached_first=self.uncached_first,
         )
         self.lookup = kv.get_computed_blocks
         self.alloc = kv.allocate_slots
+        if self.read_ids:
+            allocate, ids = kv.allocate_slots, kv.get_block_ids
+
+            def alloc(req, n, hit=0, blocks=None):
+                out = allocate(req, n, hit, blocks)
+                if out is not None:
+                    ids(req.request_id)
+                return out
+
+            self.alloc = alloc
         self.free = kv.free
         self.new_step = _noop
 

@@ -17,6 +17,11 @@ changes hit both alike; the median over rounds is reported. Only hybridkv is use
     python3 benchmarks/bench_manager.py            # ~1 min on a busy 2-core machine
     python3 benchmarks/bench_manager.py --quick    # ~15 s
 
+Each layout plays twice: manager calls only (the target), and with the block
+ids of every group read after each allocation, as the scheduler does for every
+scheduled request (``+ids``): the three chunked groups' ids are built on demand,
+so this second ratio shows what a caller that reads them all pays.
+
 Target (issue 2, item 8): scout / full <= 1.5 µs per request-step.
 """
 
@@ -64,36 +69,42 @@ def layout_trace(name: str, layout: str, quick: bool):
     return tr
 
 
+LANES = ("scout", "full", "scout+ids", "full+ids")
+
+
 def run(quick: bool, rounds: int, names) -> list[dict]:
     rows = []
     for name in names:
         t0 = time.perf_counter()
-        per = {"scout": [], "full": []}
-        per_step = {"scout": [], "full": []}
-        hits = {"scout": set(), "full": set()}
-        ratios = []
+        per = {k: [] for k in LANES}
+        per_step = {k: [] for k in LANES}
+        hits = {k: set() for k in LANES}
+        ratios, ratios_ids = [], []
         info = {}
         for r in range(rounds):
-            order = ("scout", "full") if r % 2 == 0 else ("full", "scout")
-            outs = run_interleaved([(layout_trace(name, layout, quick), HybridLane(name=layout)) for layout in order],
-                                   SLICE)
-            res = {o.lane: o for o in outs}
-            for layout, out in res.items():
-                per[layout].append(out.us_per_req_step)
-                per_step[layout].append(out.us_per_step)
-                hits[layout].add(out.hit_tokens)
-                info[layout] = out
+            order = LANES if r % 2 == 0 else LANES[::-1]
+            lanes = [(layout_trace(name, k.split("+")[0], quick), HybridLane(name=k, read_ids=k.endswith("+ids")))
+                     for k in order]
+            res = {o.lane: o for o in run_interleaved(lanes, SLICE)}
+            for lane, out in res.items():
+                per[lane].append(out.us_per_req_step)
+                per_step[lane].append(out.us_per_step)
+                hits[lane].add(out.hit_tokens)
+                info[lane] = out
             ratios.append(res["scout"].us_per_req_step / res["full"].us_per_req_step)
+            ratios_ids.append(res["scout+ids"].us_per_req_step / res["full+ids"].us_per_req_step)
             print(f"  [{name}] round {r + 1}/{rounds}: scout {res['scout'].us_per_req_step:7.2f} us/req-step  "
-                  f"full {res['full'].us_per_req_step:7.2f} us/req-step  ratio {ratios[-1]:.3f}", flush=True)
+                  f"full {res['full'].us_per_req_step:7.2f} us/req-step  ratio {ratios[-1]:.3f}  "
+                  f"(+ids {ratios_ids[-1]:.3f})", flush=True)
         null = Driver(layout_trace(name, "full", quick), NullLane()).run()
         s, f = info["scout"], info["full"]
         rows.append(dict(
             name=name, desc=TRACES[name][1], steps=len(s.step_ns), req_per_step=s.req_steps / max(1, len(s.step_ns)),
-            scout=median(per["scout"]), full=median(per["full"]),
-            scout_step=median(per_step["scout"]), full_step=median(per_step["full"]),
-            ratio=median(ratios), ratios=ratios, hits=(sorted(hits["scout"]), sorted(hits["full"])),
-            same=(s.admitted, s.finished, s.preemptions) == (f.admitted, f.finished, f.preemptions),
+            us={k: median(v) for k, v in per.items()}, us_step={k: median(v) for k, v in per_step.items()},
+            ratio=median(ratios), ratios=ratios, ratio_ids=median(ratios_ids), ratios_ids=ratios_ids,
+            hits=(sorted(hits["scout"] | hits["scout+ids"]), sorted(hits["full"] | hits["full+ids"])),
+            same=all((info[k].admitted, info[k].finished, info[k].preemptions) == (f.admitted, f.finished, f.preemptions)
+                     for k in LANES),
             driver=sum(null.step_ns) / max(1, null.req_steps) / 1e3, seconds=time.perf_counter() - t0,
         ))
     return rows
@@ -114,21 +125,24 @@ def main(argv=None) -> int:
           f"side by side, {SLICE} steps each in turn, order flipping; manager calls + num_computed/append "
           "bookkeeping, request construction excluded)")
     hdr = (f"{'trace':7} {'steps':>5} {'req/step':>8} {'scout us/req':>12} {'full us/req':>11} {'scout/full':>10} "
-           f"{'target':>6} {'scout us/step':>13} {'full us/step':>12} {'hit tokens scout':>16} {'hit tokens full':>15} "
-           f"{'same':>4}")
+           f"{'target':>6} {'+ids scout':>10} {'+ids full':>9} {'+ids ratio':>10} {'hit tokens scout':>16} "
+           f"{'hit tokens full':>15} {'same':>4}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         same = r["same"] and r["hits"][0] == r["hits"][1] and len(r["hits"][0]) == 1
-        print(f"{r['name']:7} {r['steps']:>5} {r['req_per_step']:>8.1f} {r['scout']:>12.2f} {r['full']:>11.2f} "
-              f"{r['ratio']:>10.3f} {TARGET:>6} {r['scout_step']:>13.1f} {r['full_step']:>12.1f} "
+        u = r["us"]
+        print(f"{r['name']:7} {r['steps']:>5} {r['req_per_step']:>8.1f} {u['scout']:>12.2f} {u['full']:>11.2f} "
+              f"{r['ratio']:>10.3f} {TARGET:>6} {u['scout+ids']:>10.2f} {u['full+ids']:>9.2f} {r['ratio_ids']:>10.3f} "
               f"{r['hits'][0][0]:>16} {r['hits'][1][0]:>15} {'yes' if same else 'NO':>4}")
     print()
     for r in rows:
         print(f"  {r['name']}: {r['desc']}; rounds " + ", ".join(f"{x:.3f}" for x in r["ratios"])
-              + f"; driver's own cost {r['driver']:.2f} us/req-step (included in both); {r['seconds']:.0f} s")
-    print(f"  scout = 1 full + 3 chunked-local(8192) groups, full = 1 full group; block 16; "
-          f"'same' = identical admissions, finishes, preemptions and hit tokens in both layouts")
+              + " (+ids " + ", ".join(f"{x:.3f}" for x in r["ratios_ids"]) + ")"
+              + f"; driver's own cost {r['driver']:.2f} us/req-step (included in all); {r['seconds']:.0f} s")
+    print("  scout = 1 full + 3 chunked-local(8192) groups (one manager, stripes), full = 1 full group; block 16;")
+    print("  +ids = every group's block ids read after each allocation; 'same' = identical admissions, finishes,")
+    print("  preemptions and hit tokens in all four lanes")
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -17,16 +17,21 @@ def test_null_block_is_block_zero_and_never_free():
     pool.check_invariants()
 
 
-def test_free_queue_is_o1_linked_list_in_order():
+def test_free_queue_keeps_uncached_on_stacks_and_cached_in_lru_order():
     blocks = [KVCacheBlock(i) for i in range(5)]
     q = FreeBlockQueue(blocks)
-    q.remove(blocks[2])
-    assert q.popleft() is blocks[0]
-    q.append(blocks[0])
-    q.appendleft(blocks[2])
-    assert q.block_ids() == [2, 1, 3, 4, 0]
-    assert q.popleft_n(2) == [blocks[2], blocks[1]]
-    assert len(q) == 3 and blocks[3] in q and blocks[2] not in q
+    assert q.block_ids() == [0, 1, 2, 3, 4] and len(q) == 5
+    assert q.pop_stack(1, 2) == [blocks[0], blocks[1]]
+    blocks[0].block_hash = b"h"
+    q.put(blocks[0])  # cached: LRU tail
+    q.put(blocks[1])  # uncached: on top of the stack
+    assert q.block_ids() == [1, 2, 3, 4, 0] and blocks[0] in q
+    q.take(blocks[0])
+    assert q.block_ids() == [1, 2, 3, 4] and blocks[0] not in q
+    plain = FreeBlockQueue(blocks, uncached_first=False)  # one LRU, in order
+    assert plain.block_ids() == [0, 1, 2, 3, 4] and not plain.stacks[1]
+    plain.lru_front([blocks[4]])
+    assert plain.block_ids() == [4, 0, 1, 2, 3]
 
 
 def test_get_new_blocks_takes_from_head_and_refcounts():
@@ -142,3 +147,66 @@ def test_invariants_catch_corruption():
         pool.check_invariants()
     with pytest.raises(InvalidArgumentError):
         BlockPool(1)
+
+
+def test_stripes_docstring_example():
+    pool = BlockPool(8, num_groups=4)
+    pool.stripe_groups((1, 2, 3))
+    # fresh: stripes (1, 2, 3), (4, 5, 6), plain 7; plain uncached blocks are reused first
+    assert pool.free_queue.block_ids() == [7, 1, 4] and pool.num_free_blocks == 7
+    assert ids(pool.get_new_blocks(2)) == [7, 1]
+    assert pool.free_queue.block_ids() == [2, 3, 4]
+    (lead,) = pool.get_new_stripes(1, 3)
+    assert ids(lead.stripe) == [4, 5, 6] and lead.ref_cnt == 1
+    assert pool.free_queue.block_ids() == [2, 3] and pool.num_free_blocks == 2
+    pool.check_invariants({7: 1, 1: 1, 4: 1, 5: 1, 6: 1})
+    with pytest.raises(InvalidArgumentError):  # a stripe of 3 needs 3 free blocks
+        pool.get_new_stripes(1, 3)
+    assert pool.num_free_blocks == 2
+    pool.free_blocks([lead])  # uncached: one entry of 3 blocks
+    assert pool.free_queue.block_ids() == [2, 3, 4] and pool.num_free_blocks == 5
+    pool.check_invariants({7: 1, 1: 1})
+
+
+def test_free_stripes_are_reused_whole_and_plain_blocks_bound():
+    pool = BlockPool(8, num_groups=3)
+    pool.stripe_groups((1, 2))
+    assert pool.free_queue.block_ids() == [7, 1, 3, 5]
+    leads = pool.get_new_stripes(3, 2)
+    assert [ids(l.stripe) for l in leads] == [[1, 2], [3, 4], [5, 6]]
+    pool.free_blocks(reversed(leads))  # uncached: on the stack, the last freed on top
+    assert pool.free_queue.block_ids() == [7, 1, 3, 5]
+    leads = pool.get_new_stripes(2, 2)
+    assert [ids(l.stripe) for l in leads] == [[1, 2], [3, 4]] and pool.free_queue.block_ids() == [7, 5]
+    pool.free_blocks(leads)
+    assert pool.free_queue.block_ids() == [7, 3, 1, 5]
+    # a plain request takes plain 7, then unmakes the top stripe (3, 4)
+    assert ids(pool.get_new_blocks(3)) == [7, 3, 4]
+    assert pool.free_queue.block_ids() == [1, 5]
+    (a,) = pool.get_new_stripes(1, 2)
+    (b,) = pool.get_new_stripes(1, 2)
+    assert ids(a.stripe) == [1, 2] and ids(b.stripe) == [5, 6] and pool.num_free_blocks == 0
+    # no free stripe left: plain blocks are bound into one, in the order they come
+    pool.free_blocks([pool.blocks[7], pool.blocks[3], pool.blocks[4]])
+    (c,) = pool.get_new_stripes(1, 2)
+    assert ids(c.stripe) == [4, 3] and pool.free_queue.block_ids() == [7]
+    pool.check_invariants({1: 1, 2: 1, 5: 1, 6: 1, 4: 1, 3: 1})
+
+
+def test_cached_stripe_is_one_entry_for_all_its_groups():
+    pool = BlockPool(10, num_groups=3, enable_kv_events=True, group_kinds=["full", "chunked", "chunked"])
+    pool.stripe_groups((1, 2))
+    leads = pool.get_new_stripes(2, 2)
+    assert [ids(l.stripe) for l in leads] == [[1, 2], [3, 4]]
+    pool.cache_full_blocks(leads, [b"h0", b"h1"], 0, 2, 1)
+    events = pool.take_events()
+    assert [(e.group_id, e.block_ids) for e in events] == [(1, (1, 3)), (2, (2, 4))]
+    assert pool.lookup(b"h1", 2) is pool.blocks[4] and pool.num_cached_blocks == 4
+    pool.free_blocks(reversed(leads))
+    assert pool.free_queue.block_ids()[-2:] == [3, 1]  # cached: to the LRU tail, deepest first
+    # a plain request uses the uncached blocks, then evicts the LRU head, stripe (3, 4), as one unit
+    got = pool.get_new_blocks(7)
+    assert ids(got) == [9, 5, 6, 7, 8, 3, 4]
+    assert pool.lookup(b"h1", 1) is None and pool.lookup(b"h0", 2) is pool.blocks[2]
+    assert [(e.block_id, e.group_id) for e in pool.take_events()] == [(3, 1), (4, 2)]
+    pool.check_invariants({b.block_id: 1 for b in got})

@@ -9,6 +9,8 @@ next token (index L) attends to is cached; the blocks before that are null:
 
 The coordinator's answer must be the longest L <= max_length (whole blocks) valid for
 every group, and the blocks it returns must be real exactly where tokens are needed.
+With one manager per group (``stripe_groups=False``) every group's cache contents are
+drawn independently; with stripes, groups of one spec are cached together.
 """
 
 from hypothesis import given, settings
@@ -49,7 +51,7 @@ def test_hit_is_the_longest_valid_for_every_group(bs, kinds, data):
     specs = [full(bs) if k == "full" else sliding(n, bs) if k == "sliding" else chunked(n, bs) for k, n in kinds]
     num_blocks = data.draw(st.integers(0, 10))
     hashes = fake_hashes(num_blocks)
-    c = KVCacheCoordinator(KVCacheConfig(200, tuple(KVCacheGroup(s) for s in specs)))
+    c = KVCacheCoordinator(KVCacheConfig(200, tuple(KVCacheGroup(s) for s in specs)), stripe_groups=False)
     cached = []
     for g in range(len(specs)):
         mask = data.draw(st.lists(st.booleans(), min_size=num_blocks, max_size=num_blocks))
@@ -67,3 +69,43 @@ def test_hit_is_the_longest_valid_for_every_group(bs, kinds, data):
         first = first_needed_token(spec, L) // bs
         assert all(b.is_null for b in table[:first])
         assert all(not b.is_null and b.block_id == 10 + 15 * g + i for i, b in enumerate(table) if i >= first)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    bs=st.integers(1, 4),
+    kinds=st.lists(st.sampled_from([("full", 0), ("sliding", 3), ("chunked", 3), ("chunked", 5)]), min_size=1, max_size=5),
+    data=st.data(),
+)
+def test_striped_hit_is_the_longest_valid_for_every_group(bs, kinds, data):
+    specs = [full(bs) if k == "full" else sliding(n, bs) if k == "sliding" else chunked(n, bs) for k, n in kinds]
+    num_blocks = data.draw(st.integers(0, 10))
+    hashes = fake_hashes(num_blocks)
+    c = KVCacheCoordinator(KVCacheConfig(400, tuple(KVCacheGroup(s) for s in specs)))
+    pool = c.pool
+    cached = [None] * len(specs)
+    expect = [dict() for _ in specs]  # group -> {position: block id}
+    for m in c.managers:  # groups of one spec: one mask, one stripe per cached position
+        mask = data.draw(st.lists(st.booleans(), min_size=num_blocks, max_size=num_blocks))
+        for i in range(num_blocks):
+            if mask[i]:
+                (lead,) = pool.get_new_stripes(1, m.width)
+                pool.cache_full_blocks([lead], [hashes[i]], 0, 1, m.group_ids[0])
+                pool.free_blocks([lead])
+                for j, g in enumerate(m.group_ids):
+                    expect[g][i] = (lead.stripe[j] if lead.stripe else lead).block_id
+        for g in m.group_ids:
+            cached[g] = mask
+    pool.check_invariants()
+    max_length = data.draw(st.integers(0, num_blocks * bs + bs - 1))
+    blocks, L = c.find_longest_cache_hit(hashes, max_length)
+
+    limit = min(max_length, num_blocks * bs) // bs * bs
+    candidates = [x for x in range(0, limit + 1, bs) if all(valid(s, m, x, bs) for s, m in zip(specs, cached))]
+    want = max(candidates) if limit >= bs else 0
+    assert L == want, (kinds, bs, cached, max_length)
+    for g, (spec, table) in enumerate(zip(specs, blocks)):
+        assert len(table) == L // bs
+        first = first_needed_token(spec, L) // bs
+        assert all(b.is_null for b in table[:first])
+        assert all(b.block_id == expect[g][i] for i, b in enumerate(table) if i >= first)

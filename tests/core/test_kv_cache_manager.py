@@ -46,15 +46,19 @@ def test_scout_shaped_decode_replaces_dead_chunk_blocks_by_null():
     kv = manager(full(4), chunked(8), chunked(8), chunked(8))
     req = kv.make_request("a", list(range(10)))
     n, new = prefill(kv, req)
-    assert n == 0 and new == ([1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12])
+    # the fresh pool is bound into stripes (1, 2, 3), (4, 5, 6), ...: the full group
+    # unmakes one, the three chunked groups take three whole (one per position)
+    assert n == 0 and new == ([1, 2, 3], [4, 7, 10], [5, 8, 11], [6, 9, 12])
     # computing token 10: its chunk starts at 8 -> blocks 0, 1 of every chunked group die
     assert step(kv, req) == ([], [], [], [])
-    assert kv.get_block_ids("a") == ([1, 2, 3], [0, 0, 6], [0, 0, 9], [0, 0, 12])
+    assert kv.get_block_ids("a") == ([1, 2, 3], [0, 0, 10], [0, 0, 11], [0, 0, 12])
     assert step(kv, req) == ([], [], [], [])  # token 11
-    assert step(kv, req) == ([13], [14], [15], [16])  # token 12 needs a 4th block
+    # token 12 needs a 4th block: the full group unmakes stripe (13, 14, 15) and keeps
+    # 14, 15 as free plain blocks; the chunked groups take stripe (16, 17, 18)
+    assert step(kv, req) == ([13], [16], [17], [18])
     for _ in range(4):  # tokens 13..16; at 16 computed the next token starts chunk 2
         step(kv, req)
-    assert kv.get_block_ids("a") == ([1, 2, 3, 13, 17], [0, 0, 0, 0, 18], [0, 0, 0, 0, 19], [0, 0, 0, 0, 20])
+    assert kv.get_block_ids("a") == ([1, 2, 3, 13, 14], [0, 0, 0, 0, 19], [0, 0, 0, 0, 20], [0, 0, 0, 0, 21])
     assert kv.usage == (5 + 3) / 63
     kv.free(req)
     kv.check_invariants()

@@ -20,83 +20,52 @@ its blocks tail-most first, so its deepest (least shareable) blocks are evicted
 first. Example: a request with blocks [5(cached) 6(cached) 7(partial)] freed onto
 the queue [3] gives [7, 3, 6, 5]: 7 is reused first, then 3, then 6 before 5.
 With ``uncached_first=False`` the queue is plain LRU as in vLLM: [3, 7, 6, 5].
+
+Stripes. k KV cache groups with one spec (Llama-4-Scout's three chunked groups)
+advance in lock-step: at every position of a request each holds one block, and
+they are allocated, cached, hit, touched and freed together. The pool lets such
+groups hold a *stripe*: k blocks that share one reference count, one free-queue
+entry and one prefix-cache entry, all kept on the stripe's *lead* (the block of
+the first group), which lists the members; the other members (*followers*) are
+reached only through it. A stripe costs one operation where k blocks would cost k. Stripes are made and
+unmade on allocation: a request of one group that pops a free stripe takes its
+members as plain blocks, a striped request that pops plain blocks binds k of them
+into a stripe. Counts are always in blocks (a free stripe of 3 is 3 free blocks).
+A fresh pool starts bound into stripes of the widest striped group, and free
+uncached entries are kept by width (see :class:`FreeBlockQueue`), so plain
+requests take plain blocks and striped ones stripes; cached entries, evicted in
+LRU order, are unmade or bound as needed. Example (groups 1-3 striped, a fresh
+pool of 8: stripes (1, 2, 3), (4, 5, 6) and plain 7): ``get_new_blocks(2)``
+takes 7, then unmakes (1, 2, 3), takes 1 and keeps 2 and 3 as free plain blocks
+(reused first); ``get_new_stripes(1, 3)`` takes stripe (4, 5, 6) whole.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Iterable, Iterator, Sequence
+from bisect import bisect_left
+from itertools import accumulate
+from operator import attrgetter
+from typing import Iterable, Sequence
 
+from hybridkv.core.blocks import NULL_BLOCK_ID, FreeBlockQueue, KVCacheBlock
 from hybridkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from hybridkv.core.hashing import BlockHash
+from hybridkv.core.pool_invariants import check_pool
 from hybridkv.errors import InvalidArgumentError, InvariantViolation
 
 __all__ = ["KVCacheBlock", "FreeBlockQueue", "BlockPool", "NULL_BLOCK_ID"]
 
-NULL_BLOCK_ID = 0
-
-
-class KVCacheBlock:
-    """One block: its id, how many requests use it, and (if cached) its hash and group."""
-
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "is_null")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: BlockHash | None = None
-        self.group_id = -1
-        self.is_null = False
-
-    def __repr__(self) -> str:
-        cached = f", hash={self.block_hash.hex()[:8]}@g{self.group_id}" if self.block_hash else ""
-        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}{cached})"
-
-
-class FreeBlockQueue:
-    """Free blocks in eviction order (head = next to reuse). All operations O(1)."""
-
-    __slots__ = ("_q",)
-
-    def __init__(self, blocks: Iterable[KVCacheBlock] = ()):
-        self._q: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in blocks)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[KVCacheBlock]:
-        return iter(self._q.values())
-
-    def __contains__(self, block: KVCacheBlock) -> bool:
-        return block.block_id in self._q
-
-    def popleft(self) -> KVCacheBlock:
-        return self._q.popitem(last=False)[1]
-
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        pop = self._q.popitem
-        return [pop(last=False)[1] for _ in range(n)]
-
-    def remove(self, block: KVCacheBlock) -> None:
-        del self._q[block.block_id]
-
-    def append(self, block: KVCacheBlock) -> None:
-        self._q[block.block_id] = block
-
-    def appendleft(self, block: KVCacheBlock) -> None:
-        q = self._q
-        q[block.block_id] = block
-        q.move_to_end(block.block_id, last=False)
-
-    def block_ids(self) -> list[int]:
-        return list(self._q)
+_HASH = attrgetter("block_hash")
+_STRIPE = attrgetter("stripe")
+_WIDTH = attrgetter("width")
 
 
 class BlockPool:
     """``num_blocks`` blocks (id 0 the null block) shared by ``num_groups`` KV cache groups.
 
     The prefix-cache map is keyed by (block hash, group id): one dict per group, so a
-    block cached for group 1 is never returned for group 0.
+    block cached for group 1 is never returned for group 0. Striped groups (see the
+    module docstring) share their lead group's dict: it maps a hash to a stripe lead.
     """
 
     def __init__(
@@ -125,62 +94,257 @@ class BlockPool:
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.null_block.is_null = True
         self.null_block.ref_cnt = 1  # held by the pool forever
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.free_queue = FreeBlockQueue(self.blocks[1:], uncached_first=uncached_first)
+        self._num_free = num_blocks - 1  # in blocks (a free stripe of k counts k)
         # per group: block hash -> block, or {block_id: block} when several blocks hold one hash
         self._cached: list[dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]]] = [
             {} for _ in range(num_groups)
         ]
+        # striped groups: lead group -> all its groups; group -> (lead group, index in the stripe)
+        self._stripe_groups: dict[int, tuple[int, ...]] = {}
+        self._member_of: list[tuple[int, int]] = [(g, 0) for g in range(num_groups)]
         self._events: list[KVCacheEvent] = []
+
+    def stripe_groups(self, group_ids: Sequence[int]) -> None:
+        """Let ``group_ids`` (one spec, lock-step) hold stripes; group_ids[0] is the lead group."""
+        group_ids = tuple(group_ids)
+        if len(group_ids) < 2 or len(set(group_ids)) != len(group_ids):
+            raise InvalidArgumentError(f"a stripe needs two or more distinct groups, got {group_ids}")
+        for j, g in enumerate(group_ids):
+            if not 0 <= g < self.num_groups or self._member_of[g] != (g, 0) or g in self._stripe_groups:
+                raise InvalidArgumentError(f"group {g} is unknown or already striped")
+        self._stripe_groups[group_ids[0]] = group_ids
+        for j, g in enumerate(group_ids):
+            self._member_of[g] = (group_ids[0], j)
+        self._preform()
+
+    def _preform(self) -> None:
+        """On a fresh pool, bind the free blocks into stripes of the widest striped group:
+        fresh stripes then cost a striped allocation one entry each, and a plain one
+        takes a stripe's members as plain blocks. Width 3, 10 blocks: stripes
+        (1, 2, 3), (4, 5, 6), (7, 8, 9); group j of a request's first stripes gets
+        blocks 1 + j, 4 + j, ...
+        """
+        if self._num_free != self.num_blocks - 1 or any(self._cached):
+            return
+        width = max(len(g) for g in self._stripe_groups.values())
+        for block in self.blocks[1:]:
+            block.stripe = None
+            block.width = 1
+        plain = self.blocks[1:]
+        n = len(plain) // width
+        fq = self.free_queue
+        fq.clear()
+        leads = plain[0:n * width:width]
+        for i in range(n):
+            lead = leads[i]
+            lead.stripe = tuple(plain[i * width:(i + 1) * width])
+            lead.width = width
+        if fq.uncached_first:
+            fq.stacks[width] = leads[::-1]  # stripe (1, 2, ...) on top
+            fq.stacks[1] = plain[n * width:][::-1]
+        else:
+            fq.lru.update((b.block_id, b) for b in leads + plain[n * width:])
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return self._num_free
 
     @property
     def usage(self) -> float:
         """Fraction of the usable (non-null) blocks held by requests."""
         usable = self.num_blocks - 1
-        return (usable - len(self.free_queue)) / usable
+        return (usable - self._num_free) / usable
 
     @property
     def num_cached_blocks(self) -> int:
-        return sum(1 for b in self.blocks if b.block_hash is not None)
+        return sum(b.width for b in self.blocks if b.block_hash is not None)
 
     def get_cached_block(self, block_hash: BlockHash, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
         """The cached block of ``block_hash`` in each group, or None if any group misses."""
         out = []
         for g in group_ids:
-            hit = self._cached[g].get(block_hash)
+            hit = self.lookup(block_hash, g)
             if hit is None:
                 return None
-            if type(hit) is dict:
-                hit = next(iter(hit.values()))
             out.append(hit)
         return out
 
     def group_map(self, group_id: int) -> dict:
-        """Group ``group_id``'s hash map (hash -> block, or {block_id: block} for duplicates); read only."""
-        return self._cached[group_id]
+        """Group ``group_id``'s hash map (hash -> block, or {block_id: block} for duplicates); read only.
+
+        For striped groups it is the lead group's map, whose blocks are stripe leads."""
+        return self._cached[self._member_of[group_id][0]]
 
     def lookup(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
         """The cached block of ``block_hash`` in one group (no list built)."""
-        hit = self._cached[group_id].get(block_hash)
+        lead_group, j = self._member_of[group_id]
+        hit = self._cached[lead_group].get(block_hash)
         if hit is not None and type(hit) is dict:
             hit = next(iter(hit.values()))
+        if hit is not None and j:
+            hit = hit.stripe[j]
         return hit
 
     # ---------------------------------------------------------------- mutation
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take ``num_blocks`` blocks from the head of the free queue (evicting their cache)."""
-        if num_blocks > len(self.free_queue):
-            raise InvalidArgumentError(f"asked for {num_blocks} blocks, only {len(self.free_queue)} free")
-        new = self.free_queue.popleft_n(num_blocks)
+        """Take ``num_blocks`` plain blocks (evicting their cache): uncached ones first,
+        then the LRU from its head.
+
+        A free stripe taken here is unmade: its members serve as plain blocks, and
+        those not needed are kept as uncached plain blocks, reused first.
+        """
+        if num_blocks > self._num_free:
+            raise InvalidArgumentError(f"asked for {num_blocks} blocks, only {self._num_free} free")
+        fq = self.free_queue
+        new = fq.pop_stack(1, num_blocks)
+        if len(new) < num_blocks:
+            new += self._loose(num_blocks - len(new), 1)
         for block in new:
-            if block.block_hash is not None:
-                self._evict(block)
             block.ref_cnt = 1
+        self._num_free -= num_blocks
         return new
+
+    def get_new_stripes(self, num_stripes: int, width: int) -> list[KVCacheBlock]:
+        """Take ``num_stripes`` stripes of ``width`` blocks (``width * num_stripes`` blocks);
+        returns their leads (plain blocks when width is 1).
+
+        Uncached free stripes of this width come first, whole. The rest is bound
+        from plain blocks: uncached ones, members of unmade uncached stripes, then
+        the LRU's entries from its head (cached stripes of this width whole, the
+        others unmade). New stripe i of m has members blocks[i], blocks[m + i], ...
+        """
+        if width == 1:
+            return self.get_new_blocks(num_stripes)
+        need = num_stripes * width
+        if need > self._num_free:
+            raise InvalidArgumentError(f"asked for {need} blocks, only {self._num_free} free")
+        leads = self.free_queue.pop_stack(width, num_stripes)
+        if len(leads) < num_stripes:
+            loose = self._loose((num_stripes - len(leads)) * width, width, leads)
+            m = num_stripes - len(leads)
+            if m:
+                self._bind(loose, m, width)
+                leads += loose[:m]
+        for lead in leads:
+            lead.ref_cnt = 1
+        self._num_free -= need
+        return leads
+
+    def _loose(self, need: int, width: int, leads: list[KVCacheBlock] | None = None) -> list[KVCacheBlock]:
+        """Plain blocks to serve ``need`` blocks of a request of ``width``: uncached plain
+        blocks, members of uncached stripes of other widths, then LRU entries from the
+        head (evicted). For a striped request (``leads`` given) an LRU stripe of its
+        width joins ``leads`` whole, and fewer plain blocks are returned."""
+        fq = self.free_queue
+        loose = fq.pop_stack(1, need)
+        for w in sorted(fq.stacks):
+            if len(loose) >= need:
+                break
+            if w == 1 or w == width:
+                continue
+            st = fq.stacks[w]
+            while st and len(loose) < need:
+                members = self._unmake(st.pop())
+                take = need - len(loose)
+                loose += members[:take]
+                fq.stash(members[take:])
+        if len(loose) >= need:
+            return loose
+        units, widths, got = self._pop_units(need - len(loose), width)
+        tail: tuple[KVCacheBlock, ...] = ()
+        if got > need - len(loose):  # the last entry is a stripe only partly needed
+            tail = self._unmake(units.pop())
+            widths.pop()
+            got -= len(tail)
+        if widths.count(1) == len(units):
+            loose += units
+        else:
+            for block in units:
+                w = block.width
+                if w == width and leads is not None:
+                    leads.append(block)
+                    need -= w
+                elif w == 1:
+                    loose.append(block)
+                else:
+                    loose.extend(self._unmake(block))
+        take = need - len(loose)
+        loose.extend(tail[:take])
+        fq.stash(tail[take:])
+        return loose
+
+    def _pop_units(self, need: int, guess: int) -> tuple[list[KVCacheBlock], list[int], int]:
+        """Pop LRU entries (a stripe is one entry of its width) from the head until they
+        hold at least ``need`` blocks, evicting their cache; (entries, their widths,
+        blocks they hold). Only the last entry can hold more than is needed.
+
+        Each round pops the deficit divided by the width last seen (``guess`` at
+        first), so plain blocks and stripes both take few rounds; entries popped past
+        the one that reaches ``need`` go back untouched.
+        """
+        fq = self.free_queue
+        q = fq.lru
+        pop = q.popitem
+        units = [pop(False)[1] for _ in range(min(-(-need // guess), len(q)))]
+        widths = list(map(_WIDTH, units))
+        got = sum(widths)
+        while got < need:
+            more = [pop(False)[1] for _ in range(min(-(-(need - got) // widths[-1]), len(q)))]
+            units += more
+            more_widths = list(map(_WIDTH, more))
+            widths += more_widths
+            got += sum(more_widths)
+        if got > need and len(units) > 1:
+            acc = list(accumulate(widths))
+            cut = bisect_left(acc, need) + 1
+            if cut < len(units):
+                fq.lru_front(units[cut:])
+                del units[cut:], widths[cut:]
+                got = acc[cut - 1]
+        if any(map(_HASH, units)):
+            self._evict_all(units)
+        return units, widths, got
+
+    def _evict_all(self, blocks: list[KVCacheBlock]) -> None:
+        """Evict the cached ones among ``blocks`` (the loop of :meth:`_evict`, inlined)."""
+        if self.enable_kv_events:
+            for block in blocks:
+                if block.block_hash is not None:
+                    self._evict(block)
+            return
+        maps = self._cached
+        for block in blocks:
+            key = block.block_hash
+            if key is None:
+                continue
+            group = maps[block.group_id]
+            entry = group.get(key)
+            if entry is block:
+                del group[key]
+            elif type(entry) is dict:
+                del entry[block.block_id]
+                if len(entry) == 1:
+                    group[key] = next(iter(entry.values()))
+            block.block_hash = None
+            block.group_id = -1
+
+    @staticmethod
+    def _bind(blocks: list[KVCacheBlock], m: int, width: int) -> None:
+        """Make stripes i = (blocks[i], blocks[m + i], ..., blocks[(width - 1) * m + i]), i < m."""
+        if width < 2:
+            return
+        for lead, members in zip(blocks, zip(*[blocks[j * m:(j + 1) * m] for j in range(width)])):
+            lead.stripe = members
+            lead.width = width
+
+    def _unmake(self, lead: KVCacheBlock) -> tuple[KVCacheBlock, ...]:
+        """Turn a free, uncached stripe back into plain blocks; its members."""
+        members = lead.stripe
+        lead.stripe = None
+        lead.width = 1
+        return members
 
     def _evict(self, block: KVCacheBlock) -> None:
         group = self._cached[block.group_id]
@@ -193,9 +357,10 @@ class BlockPool:
             if len(entry) == 1:
                 group[key] = next(iter(entry.values()))
         if self.enable_kv_events:
-            self._events.append(
-                BlockRemoved(key, block.block_id, block.group_id, self.group_kinds[block.group_id])
-            )
+            members = block.stripe or (block,)
+            gids = self._stripe_groups.get(block.group_id, (block.group_id,))
+            for member, gid in zip(members, gids):
+                self._events.append(BlockRemoved(key, member.block_id, gid, self.group_kinds[gid]))
         block.block_hash = None
         block.group_id = -1
 
@@ -209,12 +374,16 @@ class BlockPool:
     ) -> None:
         """Give blocks[start:end] the content addresses block_hashes[start:end] in ``group_id``.
 
-        Null blocks and blocks already cached (prefix hits) are skipped.
+        Null blocks and blocks already cached (prefix hits) are skipped. For a
+        striped lead group, ``blocks`` are stripe leads and every member group is cached.
         """
+        if self._member_of[group_id][1]:
+            raise InvalidArgumentError(f"group {group_id} is striped: cache its stripes through their lead group")
         cached = self._cached[group_id]
-        stored_ids: list[int] = []
+        stored: list[KVCacheBlock] = []
         stored_hashes: list[BlockHash] = []
         stored_first = start
+        events = self.enable_kv_events
         for i in range(start, end):
             block = blocks[i]
             if block.is_null or block.block_hash is not None:
@@ -229,62 +398,74 @@ class BlockPool:
                 entry[block.block_id] = block
             else:
                 cached[key] = {entry.block_id: entry, block.block_id: block}
-            if self.enable_kv_events:
-                if not stored_ids:
+            if events:
+                if not stored:
                     stored_first = i
-                stored_ids.append(block.block_id)
+                stored.append(block)
                 stored_hashes.append(key)
-        if stored_ids:
+        if stored:
             first = stored_first
-            self._events.append(
-                BlockStored(
-                    tuple(stored_hashes),
-                    tuple(stored_ids),
-                    block_hashes[first - 1] if first > 0 else None,
-                    self.block_size,
-                    group_id,
-                    self.group_kinds[group_id],
+            parent = block_hashes[first - 1] if first > 0 else None
+            for j, gid in enumerate(self._stripe_groups.get(group_id, (group_id,))):
+                ids = tuple((b.stripe[j] if b.stripe else b).block_id for b in stored)
+                self._events.append(
+                    BlockStored(tuple(stored_hashes), ids, parent, self.block_size, gid, self.group_kinds[gid])
                 )
-            )
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on prefix-hit blocks, pulling free ones out of the queue."""
-        queue = self.free_queue
+        """Take a reference on prefix-hit blocks (or stripe leads), reviving free ones."""
+        fq = self.free_queue
+        q = fq.lru
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
-                queue.remove(block)
+                if block.block_id in q:
+                    del q[block.block_id]
+                else:
+                    fq.take(block)
+                self._num_free -= block.width
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each block; blocks reaching 0 join the free queue in order.
-
+        """Drop one reference on each block (or stripe lead); those reaching 0 are free:
+        uncached ones reused first, cached ones to the LRU tail in the order given.
         Pass a request's blocks tail-most first (they are then evicted first).
         """
-        queue = self.free_queue
-        uncached_first = self.uncached_first
+        fq = self.free_queue
+        q = fq.lru
+        stacks = fq.stacks if fq.uncached_first else None
+        freed = 0
         for block in ordered_blocks:
             if block.is_null:
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if uncached_first and block.block_hash is None:
-                    queue.appendleft(block)
+                if stacks is not None and block.block_hash is None:
+                    stacks[block.width].append(block)
                 else:
-                    queue.append(block)
+                    q[block.block_id] = block
+                freed += block.width
             elif block.ref_cnt < 0:
+                self._num_free += freed
                 raise InvariantViolation(f"block {block.block_id} freed more often than it was taken")
+        self._num_free += freed
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Refused (False) while any block is in use."""
-        if len(self.free_queue) != self.num_blocks - 1:
+        if self._num_free != self.num_blocks - 1:
             return False
         for group in self._cached:
             group.clear()
+        fq = self.free_queue
+        cached = list(fq.lru.values())
         for block in self.blocks:
             block.block_hash = None
             block.group_id = -1
+        if fq.uncached_first:
+            fq.lru.clear()
+            for block in cached:
+                fq.put(block)
         if self.enable_kv_events:
             self._events.append(AllBlocksCleared())
         return True
@@ -298,53 +479,7 @@ class BlockPool:
         """Raise InvariantViolation if the pool is inconsistent.
 
         ``expected_ref_counts`` (block id -> number of block-table entries holding it,
-        from the managers) must match every non-null block's ref_cnt when given.
+        from the managers) must match every non-null block's ref_cnt when given (a
+        follower's entries must match its lead's ref_cnt).
         """
-
-        def fail(msg: str) -> None:
-            raise InvariantViolation(f"block pool: {msg}")
-
-        null = self.null_block
-        if null.block_id != NULL_BLOCK_ID or not null.is_null or null.block_hash is not None:
-            fail("null block corrupted")
-        if null in self.free_queue:
-            fail("null block is in the free queue")
-        free_ids = set(self.free_queue.block_ids())
-        if len(free_ids) != len(self.free_queue):
-            fail("a block is twice in the free queue")
-        used = 0
-        for block in self.blocks[1:]:
-            if block.is_null:
-                fail(f"block {block.block_id} marked null")
-            if block.ref_cnt < 0:
-                fail(f"block {block.block_id} has ref_cnt {block.ref_cnt}")
-            in_free = block.block_id in free_ids
-            if in_free and block.ref_cnt != 0:
-                fail(f"free block {block.block_id} has ref_cnt {block.ref_cnt}")
-            if not in_free:
-                if block.ref_cnt == 0:
-                    fail(f"block {block.block_id} has ref_cnt 0 but is not free")
-                used += 1
-            if expected_ref_counts is not None and block.ref_cnt != expected_ref_counts.get(block.block_id, 0):
-                fail(
-                    f"block {block.block_id} ref_cnt {block.ref_cnt} != "
-                    f"{expected_ref_counts.get(block.block_id, 0)} block-table entries"
-                )
-            if block.block_hash is not None:
-                if not 0 <= block.group_id < self.num_groups:
-                    fail(f"cached block {block.block_id} has group {block.group_id}")
-                entry = self._cached[block.group_id].get(block.block_hash)
-                if not (entry is block or (type(entry) is dict and entry.get(block.block_id) is block)):
-                    fail(f"cached block {block.block_id} missing from the hash map")
-        if used + len(free_ids) + 1 != self.num_blocks:
-            fail(f"free {len(free_ids)} + used {used} + null 1 != total {self.num_blocks}")
-        for g, group in enumerate(self._cached):
-            for key, entry in group.items():
-                members = entry.values() if type(entry) is dict else (entry,)
-                for block in members:
-                    if block.block_hash != key or block.group_id != g:
-                        fail(f"hash map entry of group {g} points at block {block.block_id} with another key")
-                if type(entry) is dict and len(entry) < 2:
-                    fail(f"duplicate-hash entry of group {g} holds {len(entry)} block(s)")
-        if not self.enable_caching and any(self._cached):
-            fail("blocks cached while prefix caching is disabled")
+        check_pool(self, expected_ref_counts)

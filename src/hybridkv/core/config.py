@@ -77,6 +77,9 @@ class CacheManagerConfig:
     use_eagle: bool = False
     hash_algo: str = "sha256"
     enable_kv_events: bool = False
+    #: groups with one spec hold stripes (one block operation per position for all of them);
+    #: False gives every group its own manager and blocks, as vLLM does
+    stripe_groups: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len <= 0:

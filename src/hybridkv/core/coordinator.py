@@ -1,7 +1,10 @@
 """The coordinator: one pool, one manager per distinct spec, one answer for all groups.
 
-Groups with identical specs share a manager (they advance in lock-step), so a
-Llama-4-Scout layout (1 full + 3 chunked groups) has two managers.
+Groups with identical specs share a manager (they advance in lock-step) and
+hold stripes, so a Llama-4-Scout layout (1 full + 3 chunked groups) has two
+managers and one block operation per position for the three chunked groups.
+With ``stripe_groups=False`` every group gets its own manager (as in vLLM):
+same hits, frees and counts, block ids as vLLM hands them out, k times the work.
 
 Prefix-cache hits must be valid for *every* group. Each manager's
 ``find_longest_cache_hit(max_length)`` returns the longest hit R <= max_length that
@@ -42,6 +45,7 @@ class KVCacheCoordinator:
         use_eagle: bool = False,
         enable_kv_events: bool = False,
         uncached_first: bool = True,
+        stripe_groups: bool = True,
     ):
         self.config = kv_cache_config
         self.num_groups = len(kv_cache_config.groups)
@@ -59,10 +63,11 @@ class KVCacheCoordinator:
         )
         by_spec: dict = {}
         for gid, group in enumerate(kv_cache_config.groups):
-            by_spec.setdefault(group.spec, []).append(gid)
-        self.managers: list[AttentionManager] = [
-            manager_class_for(spec)(spec, gids, self.pool, enable_caching) for spec, gids in by_spec.items()
-        ]
+            by_spec.setdefault(group.spec if stripe_groups else gid, []).append(gid)
+        self.managers: list[AttentionManager] = []
+        for gids in by_spec.values():
+            spec = kv_cache_config.groups[gids[0]].spec
+            self.managers.append(manager_class_for(spec)(spec, gids, self.pool, enable_caching))
         # full attention first: cheapest bound on the hit length
         self.find_order = sorted(self.managers, key=lambda m: not m.downward_closed)
         self.skipping_managers = [m for m in self.managers if not m.downward_closed]
@@ -72,27 +77,45 @@ class KVCacheCoordinator:
             for j, gid in enumerate(m.group_ids):
                 self.group_slot[gid] = (m, j)
         self._empty: PerGroup = tuple([] for _ in range(self.num_groups))
+        # request id -> (its live id lists by group, the striped managers' states to sync)
+        self._ids: dict[str, tuple[tuple[list[int], ...], list]] = {}
+        self.striped_managers = [m for m in self.managers if m.width > 1]
 
     # ------------------------------------------------------------------ hits
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[PerGroup, int]:
         """Blocks per group and the hit length (whole blocks) valid for every group."""
+        hit, length = self.find_hit(block_hashes, max_length)
+        return self.expand(hit), length
+
+    def find_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[dict, int]:
+        """The hit as {manager: its first group's blocks (stripe leads, nulls)} and its length."""
         if not self.enable_caching or max_length < self.block_size:
-            return tuple([] for _ in range(self.num_groups)), 0
+            return {}, 0
         found, length = self._fixed_point(block_hashes, max_length)
         if self.use_eagle and length > 0:
             # EAGLE recomputes at least the last hit block; the shorter hit must
             # itself be valid (chunked C 2, block 1: 4 null blocks → 2, not 3).
             found, length = self._fixed_point(block_hashes, length - self.block_size)
-        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
+        if length == 0:
+            return {}, 0
         nblocks = length // self.block_size
-        for m, (blocks, _) in found.items():
-            for j, gid in enumerate(m.group_ids):
-                out[gid] = blocks[j][:nblocks] if m.downward_closed else blocks[j]
-        return tuple(out), length
+        return {m: leads[:nblocks] if len(leads) > nblocks else leads for m, (leads, _) in found.items()}, length
+
+    def expand(self, hit: dict) -> PerGroup:
+        """Per-group block lists of a hit from :meth:`find_hit`."""
+        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
+        for m, leads in hit.items():
+            for gid, blocks in zip(m.group_ids, m._per_group(leads)):
+                out[gid] = blocks
+        return tuple(out)
+
+    def hit_of(self, per_group: PerGroup) -> dict:
+        """The inverse of :meth:`expand`: each manager's first group's list."""
+        return {m: per_group[m.group_ids[0]] for m in self.managers if per_group[m.group_ids[0]]}
 
     def _fixed_point(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[dict, int]:
         length = max_length
-        found: dict[AttentionManager, tuple[list[list[KVCacheBlock]], int]] = {}
+        found: dict[AttentionManager, tuple[list[KVCacheBlock], int]] = {}
         changed = True
         while changed:
             changed = False
@@ -100,7 +123,7 @@ class KVCacheCoordinator:
                 prev = found.get(m)
                 if prev is not None and (m.downward_closed or prev[1] == length):
                     continue
-                blocks, hit = m.find_longest_cache_hit(block_hashes, length)
+                blocks, hit = m.longest_hit(block_hashes, length)
                 found[m] = (blocks, hit)
                 if hit < length:
                     length = hit
@@ -108,35 +131,27 @@ class KVCacheCoordinator:
         return found, length
 
     # ----------------------------------------------------------- allocation
-    def _split(self, m: AttentionManager, per_group: PerGroup | None) -> list[list[KVCacheBlock]] | None:
-        if per_group is None:
-            return None
-        return [per_group[g] for g in m.group_ids]
-
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for m in self.skipping_managers:
             m.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: PerGroup | None, num_computed_tokens: int
+        self, request_id: str, num_tokens: int, hit: dict | None, num_computed_tokens: int
     ) -> int:
-        return sum(
-            m.get_num_blocks_to_allocate(request_id, num_tokens, self._split(m, new_computed_blocks), num_computed_tokens)
-            for m in self.managers
-        )
-
-    def save_new_computed_blocks(
-        self, request_id: str, new_computed_blocks: PerGroup | None, num_computed_tokens: int
-    ) -> None:
+        """Blocks needed over all managers; ``hit`` from :meth:`find_hit` for a new request."""
+        total = 0
         for m in self.managers:
-            m.save_new_computed_blocks(request_id, self._split(m, new_computed_blocks), num_computed_tokens)
+            total += m.get_num_blocks_to_allocate(request_id, num_tokens, hit.get(m) if hit else None,
+                                                  num_computed_tokens)
+        return total
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> PerGroup:
-        out: list[list[KVCacheBlock]] = [None] * self.num_groups  # type: ignore[list-item]
+    def save_new_computed_blocks(self, request_id: str, hit: dict | None, num_computed_tokens: int) -> None:
         for m in self.managers:
-            for gid, blocks in zip(m.group_ids, m.allocate_new_blocks(request_id, num_tokens)):
-                out[gid] = blocks
-        return tuple(out)
+            m.save_new_computed_blocks(request_id, hit.get(m) if hit else None, num_computed_tokens)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> dict:
+        """Grow every manager's tables; {manager: its new blocks (stripe leads)} (see :meth:`expand`)."""
+        return {m: m.allocate_new_blocks(request_id, num_tokens) for m in self.managers}
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         if self.enable_caching:
@@ -144,19 +159,17 @@ class KVCacheCoordinator:
                 m.cache_blocks(request, num_tokens)
 
     def free(self, request_id: str) -> bool:
-        """Free every block of the request, group 0's first, each tail-most first."""
-        popped = {}
-        for m in self.managers:
-            groups = m.pop_blocks(request_id)
-            if groups is not None:
-                popped[m] = groups
-        if not popped:
-            return False
+        """Free every block of the request, manager by manager in group order (a
+        stripe frees with its first group), each tail-most first."""
+        found = False
+        self._ids.pop(request_id, None)
         free = self.pool.free_blocks
-        for m, j in self.group_slot:
-            if m in popped:
-                free(popped[m][j])
-        return True
+        for m in self.managers:  # built in order of their first group
+            blocks = m.pop_blocks(request_id)
+            if blocks is not None:
+                free(blocks)
+                found = True
+        return found
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.managers[0].requests
@@ -166,7 +179,16 @@ class KVCacheCoordinator:
         return tuple(m.get_blocks(request_id)[j] for m, j in self.group_slot)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return tuple(m.get_block_ids(request_id)[j] for m, j in self.group_slot)
+        """Block ids per group: live lists, kept per request (followers' ids synced on demand)."""
+        entry = self._ids.get(request_id)
+        if entry is None:
+            ids = tuple(m.get_block_ids(request_id)[j] for m, j in self.group_slot)
+            entry = self._ids[request_id] = (ids, [(m, m.state(request_id)) for m in self.striped_managers])
+            return ids
+        for m, st in entry[1]:
+            if st.synced < len(st.blocks):
+                m._sync(st)
+        return entry[0]
 
     def num_requests(self) -> int:
         return len(self.managers[0].requests)
@@ -184,8 +206,8 @@ class KVCacheCoordinator:
             m.check_invariants(ref_counts)
         owner: dict[int, int] = {}
         for m in self.managers:
-            for st in m.requests.values():
-                for gid, table in zip(m.group_ids, st.tables):
+            for rid in m.requests:
+                for gid, table in zip(m.group_ids, m.get_blocks(rid)):
                     for block in table:
                         if block.is_null:
                             continue

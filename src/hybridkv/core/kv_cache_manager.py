@@ -42,12 +42,26 @@ __all__ = ["KVCacheManager", "KVCacheBlocks", "PrefixCacheStats"]
 
 
 class KVCacheBlocks:
-    """Blocks per KV cache group (``blocks[g]`` is group g's list)."""
+    """Blocks per KV cache group (``blocks[g]`` is group g's list).
 
-    __slots__ = ("blocks",)
+    A prefix hit from :meth:`KVCacheManager.get_computed_blocks` keeps the
+    coordinator's compact form (each manager's first-group blocks; striped groups'
+    lists follow from their leads) and builds the per-group lists only when asked.
+    """
 
-    def __init__(self, blocks: tuple[list[KVCacheBlock], ...]):
-        self.blocks = blocks
+    __slots__ = ("_blocks", "_hit", "_coordinator")
+
+    def __init__(self, blocks: tuple[list[KVCacheBlock], ...] | None = None, *, hit: dict | None = None,
+                 coordinator: KVCacheCoordinator | None = None):
+        self._blocks = blocks
+        self._hit = hit
+        self._coordinator = coordinator
+
+    @property
+    def blocks(self) -> tuple[list[KVCacheBlock], ...]:
+        if self._blocks is None:
+            self._blocks = self._coordinator.expand(self._hit)
+        return self._blocks
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in self.blocks)
@@ -90,6 +104,7 @@ class KVCacheManager:
             use_eagle=config.use_eagle,
             enable_kv_events=config.enable_kv_events,
             uncached_first=uncached_first,
+            stripe_groups=config.stripe_groups,
         )
         self.pool = self.coordinator.pool
         self.hasher = BlockHasher(self.block_size, config.hash_algo) if config.enable_caching else None
@@ -116,11 +131,13 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return self._empty, 0
-        blocks, num_hit = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+        hit, num_hit = self.coordinator.find_hit(request.block_hashes, request.num_tokens - 1)
         self.stats.requests += 1
         self.stats.queries += request.num_tokens
         self.stats.hits += num_hit
-        return KVCacheBlocks(blocks), num_hit
+        if not num_hit:
+            return self._empty, 0
+        return KVCacheBlocks(hit=hit, coordinator=self.coordinator), num_hit
 
     def allocate_slots(
         self,
@@ -168,16 +185,24 @@ class KVCacheManager:
         live = self._live.get(rid)
         if live is not None and live is not request:
             raise RequestError(f"another request with id {rid!r} holds blocks")
-        hit = None
-        if new_computed_blocks is not None and new_computed_blocks.blocks and new_computed_blocks.blocks[0]:
-            hit = new_computed_blocks.blocks
+        hit = None  # {manager: first-group blocks}
+        hit_blocks = 0
+        if new_computed_blocks is not None:
+            if new_computed_blocks._hit is not None and new_computed_blocks._coordinator is coord:
+                hit = new_computed_blocks._hit
+            elif new_computed_blocks.blocks and any(new_computed_blocks.blocks):
+                hit = coord.hit_of(new_computed_blocks.blocks)
+            if hit:
+                hit_blocks = len(next(iter(hit.values())))
+            else:
+                hit = None
         if hit is not None or num_new_computed_tokens:
             if live is not None:
                 raise RequestError(f"request {rid!r} already holds blocks; prefix hits are for new requests")
-            if hit is None or len(hit[0]) * self.block_size != num_new_computed_tokens:
-                got = 0 if hit is None else len(hit[0]) * self.block_size
+            if hit_blocks * self.block_size != num_new_computed_tokens:
                 raise InvalidArgumentError(
-                    f"num_new_computed_tokens {num_new_computed_tokens} != {got} tokens of new_computed_blocks"
+                    f"num_new_computed_tokens {num_new_computed_tokens} != "
+                    f"{hit_blocks * self.block_size} tokens of new_computed_blocks"
                 )
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens = num_computed + num_new_tokens
@@ -191,8 +216,8 @@ class KVCacheManager:
             )
         num_slots = min(num_tokens + num_lookahead_tokens, self.max_model_len)
 
-        if live is not None:
-            coord.remove_skipped_blocks(rid, request.num_computed_tokens)
+        if live is not None and (quiet is None or request.num_computed_tokens >= quiet[2]):
+            coord.remove_skipped_blocks(rid, request.num_computed_tokens)  # a block may have died
         need = coord.get_num_blocks_to_allocate(rid, num_slots, hit, num_computed)
         if need > self.pool.num_free_blocks:
             return None
@@ -205,7 +230,7 @@ class KVCacheManager:
         if self.enable_caching:
             coord.cache_blocks(request, min(num_tokens, request.num_tokens))
         self._remember_quiet(request)
-        return KVCacheBlocks(new)
+        return KVCacheBlocks(hit=new, coordinator=coord)
 
     def _remember_quiet(self, request: Request) -> None:
         """Record how far the request can go with no allocation, caching or skipping."""
@@ -215,7 +240,7 @@ class KVCacheManager:
         skip_at = NEVER
         for m in self.coordinator.managers:
             st = m.requests[rid]
-            slots = len(st.tables[0]) * bs
+            slots = len(st.blocks) * bs
             if slots < limit:
                 limit = slots
             if self.enable_caching and (st.num_cached + 1) * bs - 1 < limit:
@@ -293,11 +318,16 @@ class KVCacheManager:
         coord.check_invariants()
         # content: a cached block at index i of a request's table holds that request's block i
         for rid, request in self._live.items():
-            for gid, table in enumerate(coord.get_blocks(rid)):
+            tables = coord.get_blocks(rid)
+            for gid, table in enumerate(tables):
+                m, j = coord.group_slot[gid]
+                leads = tables[m.group_ids[0]]  # a follower's hash is on its stripe's lead
                 for i, block in enumerate(table):
-                    if block.block_hash is not None and (
-                        i >= len(request.block_hashes) or block.block_hash != request.block_hashes[i]
-                    ):
+                    key = leads[i].block_hash
+                    if j and not leads[i].is_null and (leads[i].stripe is None or leads[i].stripe[j] is not block):
+                        raise InvariantViolation(f"request {rid!r} group {gid}: block {block.block_id} at {i} "
+                                                 f"is not member {j} of stripe {leads[i].block_id}")
+                    if key is not None and (i >= len(request.block_hashes) or key != request.block_hashes[i]):
                         raise InvariantViolation(
                             f"request {rid!r} group {gid}: block {block.block_id} at {i} caches other content"
                         )

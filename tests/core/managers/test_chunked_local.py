@@ -4,6 +4,8 @@ import pytest
 
 from hybridkv.core.block_pool import BlockPool
 from hybridkv.core.managers import ChunkedLocalAttentionManager
+from hybridkv.core.request import BlockHasher, Request
+from hybridkv.errors import InvalidArgumentError
 
 from tests.core.helpers import chunked, fake_hashes, ids, mark_cached
 
@@ -77,15 +79,28 @@ def test_chunk_not_multiple_of_block_keeps_the_straddling_block():
     assert n == 40 and ids(blocks) == [0] * 5
 
 
-def test_hit_is_common_to_all_groups_of_the_manager():
-    pool, m = make(4, 1, groups=(0, 1))
-    hashes = fake_hashes(6)
-    mark_cached(pool, hashes, [True] * 6, group=0, first_id=10)
-    mark_cached(pool, hashes, [True, True, True, True, True, False], group=1, first_id=30)
-    blocks, n = m.find_longest_cache_hit(hashes, 6)
-    # next token 6: chunk starts 4; group 1 misses block 5
-    assert n == 5
-    assert ids(blocks[0]) == [0, 0, 0, 0, 14] and ids(blocks[1]) == [0, 0, 0, 0, 34]
+def test_groups_of_one_manager_hold_stripes_and_hit_together():
+    # two chunked groups (C 4, block 1) share a manager: each position is one stripe
+    pool, m = make(4, 1, groups=(0, 1), num_blocks=20)
+    req = Request("r", list(range(7)), hasher=BlockHasher(1))
+    m.save_new_computed_blocks("r", None, 0)
+    assert m.get_num_blocks_to_allocate("r", 7, None, 0) == 14
+    m.allocate_new_blocks("r", 7)
+    # a fresh pool is bound into stripes (1, 2), (3, 4), ...: group j gets member j
+    assert m.get_block_ids("r") == [[1, 3, 5, 7, 9, 11, 13], [2, 4, 6, 8, 10, 12, 14]]
+    assert pool.blocks[5].stripe == (pool.blocks[5], pool.blocks[6])
+    m.cache_blocks(req, 6)
+    assert pool.lookup(req.block_hashes[5], 1) is pool.blocks[12]
+    with pytest.raises(InvalidArgumentError):  # a follower group has no map of its own
+        pool.cache_full_blocks([pool.blocks[15]], [b"x"], 0, 1, 1)
+    m.remove_skipped_blocks("r", 6)  # next token 6: chunk starts at 4 -> positions 0-3 dead
+    assert m.get_block_ids("r") == [[0, 0, 0, 0, 9, 11, 13], [0, 0, 0, 0, 10, 12, 14]]
+    assert pool.num_free_blocks == 19 - 6  # four stripes of two back
+    m.free("r")
+    pool.check_invariants()
+    assert pool.num_free_blocks == 19
+    blocks, n = m.find_longest_cache_hit(req.block_hashes, 6)  # next token 6 -> start 4, 4 and 5 hit
+    assert n == 6 and ids(blocks[0]) == [0, 0, 0, 0, 9, 11] and ids(blocks[1]) == [0, 0, 0, 0, 10, 12]
 
 
 def alloc(m, rid, n_tokens):
@@ -130,8 +145,8 @@ def test_block_counts_for_a_new_request_with_a_hit():
     mark_cached(pool, hashes, [False, False, True])
     blocks, n = m.find_longest_cache_hit(hashes, 12)
     assert n == 12 and ids(blocks[0]) == [0, 0, 12]
-    assert m.get_num_blocks_to_allocate("r", 20, blocks, 12) == 3
-    m.save_new_computed_blocks("r", blocks, 12)
+    assert m.get_num_blocks_to_allocate("r", 20, blocks[0], 12) == 3
+    m.save_new_computed_blocks("r", blocks[0], 12)
     assert pool.blocks[12].ref_cnt == 1
     assert m.get_num_blocks_to_allocate("r", 20, None, 12) == 2
     m.allocate_new_blocks("r", 20)

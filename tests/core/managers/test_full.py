@@ -20,13 +20,25 @@ def test_hits_left_to_right_until_first_miss():
     assert ids(blocks[0]) == [10] and n == 4
 
 
-def test_multi_group_hit_needs_every_group():
+def test_two_groups_share_stripes_and_hit_together():
     pool, m = make(groups=(0, 1))
-    hashes = fake_hashes(3)
-    mark_cached(pool, hashes, [True, True, True], group=0, first_id=10)
-    mark_cached(pool, hashes, [True, False, True], group=1, first_id=20)
-    blocks, n = m.find_longest_cache_hit(hashes, 12)
-    assert n == 4 and ids(blocks[0]) == [10] and ids(blocks[1]) == [20]
+    req = Request("r", list(range(10)), hasher=BlockHasher(4))
+    m.save_new_computed_blocks("r", None, 0)
+    m.allocate_new_blocks("r", 10)
+    m.cache_blocks(req, 10)
+    assert m.get_block_ids("r") == [[1, 3, 5], [2, 4, 6]]  # fresh stripes (1, 2), (3, 4), ...
+    m.free("r")
+    # one queue entry per stripe: the partial stripe 5 (uncached) with the free
+    # stripes, the cached 3 and 1 at the LRU tail, deepest first
+    fq = pool.free_queue.block_ids()
+    assert fq[:3] == [49, 5, 7] and fq[-2:] == [3, 1]
+    assert pool.num_free_blocks == 49
+    blocks, n = m.find_longest_cache_hit(req.block_hashes, 9)
+    assert n == 8 and ids(blocks[0]) == [1, 3] and ids(blocks[1]) == [2, 4]
+    # a plain allocation of 3 takes plain 49, then unmakes the top free stripe (5, 6)
+    assert ids(pool.get_new_blocks(3)) == [49, 5, 6]
+    assert pool.free_queue.block_ids()[0] == 7
+    pool.check_invariants({49: 1, 5: 1, 6: 1})
 
 
 def test_allocate_cache_and_free_tail_first():

@@ -65,8 +65,8 @@ def test_new_request_hit_nulls_are_not_touched():
     blocks, n = m.find_longest_cache_hit(hashes, 10)
     assert ids(blocks[0]) == [0, 0, 0, 13, 14] and n == 10
     # 12 slots: 6 blocks; skipped (10 - 3) // 2 = 3, held 5 -> 1 new + 2 evictable hits
-    assert m.get_num_blocks_to_allocate("r", 12, blocks, 10) == 3
-    m.save_new_computed_blocks("r", blocks, 10)
+    assert m.get_num_blocks_to_allocate("r", 12, blocks[0], 10) == 3
+    m.save_new_computed_blocks("r", blocks[0], 10)
     m.allocate_new_blocks("r", 12)
     assert m.get_block_ids("r")[0] == [0, 0, 0, 13, 14, 1]
     assert pool.blocks[10].ref_cnt == 0 and pool.blocks[13].ref_cnt == 1

@@ -2,8 +2,12 @@
 
 One manager serves every KV cache group of one spec. Groups with identical specs
 advance in lock-step (same tokens, same block boundaries, same skipped prefix), so
-the manager does the arithmetic once and applies it to each group's block table:
-Llama-4-Scout's three chunked groups cost one manager, not three.
+the manager does the arithmetic once, and its k groups hold *stripes* (see
+:mod:`hybridkv.core.block_pool`): at each position one lead block carries the
+reference count, the free-queue entry and the cache entry for all k blocks.
+Llama-4-Scout's three chunked groups cost one manager and one block operation
+per position, not three. The manager works on its first group's table (the
+leads); the other groups' tables hold the followers, kept only for the callers.
 
 Per request the manager keeps, for each of its groups, the block table (a list of
 blocks; the null block stands for skipped tokens) and, shared by all its groups,
@@ -15,14 +19,16 @@ A subclass defines the attention type by two methods:
 * ``num_skipped_tokens(num_computed_tokens)``: how many leading tokens no future
   token attends to once ``num_computed_tokens`` are computed (the next token is at
   index ``num_computed_tokens``);
-* ``find_longest_cache_hit(block_hashes, max_length)``: the longest prefix of at
-  most ``max_length`` tokens (whole blocks) whose KV the attention type can reuse,
-  as per-group block lists with null blocks for tokens it need not see.
+* ``longest_hit(block_hashes, max_length)``: the longest prefix of at most
+  ``max_length`` tokens (whole blocks) whose KV the attention type can reuse, as
+  one list of the first group's blocks (stripe leads), null blocks for tokens it
+  need not see; ``find_longest_cache_hit`` gives it per group.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from operator import attrgetter, itemgetter
 from typing import Sequence
 
 from hybridkv.core.block_pool import BlockPool, KVCacheBlock
@@ -35,20 +41,33 @@ __all__ = ["AttentionManager", "RequestBlocks", "NEVER"]
 
 GroupBlocks = list[list[KVCacheBlock]]
 
+_STRIPE = attrgetter("stripe")
+_ID = attrgetter("block_id")
+
 #: a token count no request reaches
 NEVER = 1 << 62
 
 
 class RequestBlocks:
-    """One request's block tables in one manager (one table per group)."""
+    """One request's block table in one manager.
 
-    __slots__ = ("tables", "ids", "num_cached", "num_skipped")
+    ``blocks`` is the first group's table (stripe leads; the null block for
+    skipped positions); the other groups' tables follow from it (member j of each
+    lead). ``ids[g]`` are the block ids of the manager's g-th group: ``ids[0]``
+    always current, the others brought up to date on demand (``synced`` leading
+    positions are), so a caller that never asks for them costs nothing.
+    Example (two groups, blocks [null, S5, S9] with stripes (5, 6), (9, 10)):
+    ids [[0, 5, 9], [0, 6, 10]].
+    """
+
+    __slots__ = ("blocks", "ids", "num_cached", "num_skipped", "synced")
 
     def __init__(self, num_groups: int):
-        self.tables: GroupBlocks = [[] for _ in range(num_groups)]
+        self.blocks: list[KVCacheBlock] = []
         self.ids: list[list[int]] = [[] for _ in range(num_groups)]
         self.num_cached = 0
         self.num_skipped = 0
+        self.synced = 0  # leading positions of ids[1:] that are current
 
 
 class AttentionManager(ABC):
@@ -62,11 +81,14 @@ class AttentionManager(ABC):
         self.block_size = spec.block_size
         self.group_ids = tuple(group_ids)
         self.num_groups = len(self.group_ids)
+        self.width = self.num_groups  # blocks per position (stripe width)
         self.pool = pool
         self.enable_caching = enable_caching
         self.null_block = pool.null_block
         self.requests: dict[str, RequestBlocks] = {}
-        self._group_maps = [pool.group_map(g) for g in self.group_ids]
+        if self.width > 1:
+            pool.stripe_groups(self.group_ids)
+        self._map = pool.group_map(self.group_ids[0])  # hash -> block (stripe lead)
 
     # ------------------------------------------------------------ semantics
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -79,39 +101,46 @@ class AttentionManager(ABC):
         return NEVER
 
     @abstractmethod
+    def longest_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[list[KVCacheBlock], int]:
+        """(hit blocks of the first group, i.e. stripe leads and null blocks; hit length in
+        tokens); the length is whole blocks, <= max_length."""
+
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[GroupBlocks, int]:
         """(per-group hit blocks, hit length in tokens); the length is whole blocks, <= max_length."""
+        leads, length = self.longest_hit(block_hashes, max_length)
+        return self._per_group(leads), length
 
-    def _scan(self, block_hashes: Sequence[BlockHash], start: int, end: int) -> list[list[KVCacheBlock]]:
-        """Cached blocks of positions start, start+1, ... up to the first position (< end)
-        that misses in any group: one list per group, all the same length."""
-        out: list[list[KVCacheBlock]] = []
-        for group_map in self._group_maps:
-            get = group_map.get
-            hits: list[KVCacheBlock] = []
-            append = hits.append
-            for i in range(start, end):
-                hit = get(block_hashes[i])
-                if hit is None:
-                    break
-                append(next(iter(hit.values())) if type(hit) is dict else hit)
-            out.append(hits)
-            end = start + len(hits)  # later groups need not look further
-        n = end - start
-        for hits in out:
-            del hits[n:]
-        return out
-
-    def _lookup(self, block_hash: BlockHash) -> list[KVCacheBlock] | None:
-        """The cached block of ``block_hash`` in each of the manager's groups, or None."""
-        out = []
-        for group_map in self._group_maps:
-            hit = group_map.get(block_hash)
+    def _scan(self, block_hashes: Sequence[BlockHash], start: int, end: int) -> list[KVCacheBlock]:
+        """Cached blocks (stripe leads) of positions start, start+1, ... up to the first miss before end."""
+        get = self._map.get
+        hits: list[KVCacheBlock] = []
+        append = hits.append
+        for i in range(start, end):
+            hit = get(block_hashes[i])
             if hit is None:
-                return None
-            if type(hit) is dict:  # several blocks hold this hash
-                hit = next(iter(hit.values()))
-            out.append(hit)
+                break
+            append(next(iter(hit.values())) if type(hit) is dict else hit)
+        return hits
+
+    def _lookup(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The cached block (stripe lead) of ``block_hash``, or None."""
+        hit = self._map.get(block_hash)
+        if hit is not None and type(hit) is dict:  # several blocks hold this hash
+            hit = next(iter(hit.values()))
+        return hit
+
+    def _per_group(self, leads: list[KVCacheBlock]) -> GroupBlocks:
+        """One list per group from a list of leads (and null blocks): group j gets member j."""
+        if self.width == 1:
+            return [leads]
+        if len(leads) == 1 and leads[0].stripe is not None:  # one new stripe (a decode step)
+            return [[b] for b in leads[0].stripe]
+        n = leads.count(self.null_block)  # null blocks lead every hit and table
+        stripes = list(map(_STRIPE, leads[n:] if n else leads))
+        out = [leads]
+        for j in range(1, self.width):
+            members = list(map(itemgetter(j), stripes))
+            out.append(leads[:n] + members if n else members)
         return out
 
     # ------------------------------------------------------------ life cycle
@@ -125,75 +154,67 @@ class AttentionManager(ABC):
         self,
         request_id: str,
         num_tokens: int,
-        new_computed_blocks: GroupBlocks | None,
+        new_computed_blocks: list[KVCacheBlock] | None,
         num_computed_tokens: int,
     ) -> int:
         """Blocks the pool must hand out to give the request ``num_tokens`` slots.
 
-        Counts new blocks for every group plus prefix-hit blocks that are free now
-        (touching them takes them out of the free queue). For a new request the
-        skipped prefix of the hit costs nothing: it becomes null blocks.
-        Example (chunked C 8, block 4, new request, hit [null null b7], 12 computed,
-        num_tokens 20): skipped 8 tokens = 2 blocks; 5 blocks needed, 3 held → 2
-        new per group, plus b7 if it is free.
+        ``new_computed_blocks`` is a new request's prefix hit in this manager's first
+        group (stripe leads, null blocks for skipped tokens). Counts new blocks for
+        every group plus hit blocks that are free now (touching them takes them out
+        of the free queue). For a new request the skipped prefix of the hit costs
+        nothing: it becomes null blocks.
+        Example (chunked C 8, block 4, one group, new request, hit [null null b7],
+        12 computed, num_tokens 20): skipped 8 tokens = 2 blocks; 5 blocks needed,
+        3 held → 2 new, plus b7 if it is free; with 3 striped groups, 3 times that.
         """
         need = cdiv(num_tokens, self.block_size)
         st = self.requests.get(request_id)
         if st is not None:
-            return max(need - len(st.tables[0]), 0) * self.num_groups
-        if not new_computed_blocks or not new_computed_blocks[0]:
-            return need * self.num_groups
+            return max(need - len(st.blocks), 0) * self.width
+        if not new_computed_blocks:
+            return need * self.width
         skipped = self.num_skipped_tokens(num_computed_tokens) // self.block_size
-        held = len(new_computed_blocks[0])
-        num_new = max(need - max(skipped, held), 0) * self.num_groups
+        leads = new_computed_blocks
+        num_new = max(need - max(skipped, len(leads)), 0)
         evictable = 0
-        for blocks in new_computed_blocks:
-            for block in blocks[skipped:]:
-                if block.ref_cnt == 0 and not block.is_null:
-                    evictable += 1
-        return num_new + evictable
+        for block in leads[skipped:]:
+            if block.ref_cnt == 0 and not block.is_null:
+                evictable += 1
+        return (num_new + evictable) * self.width
 
     def save_new_computed_blocks(
-        self, request_id: str, new_computed_blocks: GroupBlocks | None, num_computed_tokens: int
+        self, request_id: str, new_computed_blocks: list[KVCacheBlock] | None, num_computed_tokens: int
     ) -> None:
-        """Start the request's tables with its prefix hit (taking references)."""
+        """Start the request's tables with its prefix hit (the first group's blocks), taking references."""
         st = self.requests.get(request_id)
         if st is None:
             st = self.requests[request_id] = RequestBlocks(self.num_groups)
-        if not new_computed_blocks or not new_computed_blocks[0]:
+        if not new_computed_blocks:
             return
         skipped = self.num_skipped_tokens(num_computed_tokens) // self.block_size
-        null = self.null_block
-        for table, ids, blocks in zip(st.tables, st.ids, new_computed_blocks):
-            kept = blocks[skipped:]
-            self.pool.touch(kept)
-            table.extend([null] * skipped)
-            table.extend(kept)
-            ids.extend([0] * skipped)
-            ids.extend([b.block_id for b in kept])
-        st.num_cached = len(st.tables[0])
+        kept = new_computed_blocks[skipped:]
+        self.pool.touch(kept)
+        st.blocks += [self.null_block] * skipped
+        st.blocks += kept
+        ids = st.ids[0]
+        ids += [0] * skipped
+        ids.extend(map(_ID, kept))
+        st.num_cached = len(st.blocks)
         st.num_skipped = skipped
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> GroupBlocks:
-        """Grow every group's table to cover ``num_tokens`` tokens; the new blocks per group."""
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Grow the tables to cover ``num_tokens`` tokens; the new blocks (stripe leads)."""
         st = self.requests.get(request_id)
         if st is None:
             st = self.requests[request_id] = RequestBlocks(self.num_groups)
-        n = cdiv(num_tokens, self.block_size) - len(st.tables[0])
+        n = cdiv(num_tokens, self.block_size) - len(st.blocks)
         if n <= 0:
-            return [[] for _ in range(self.num_groups)]
-        new = self.pool.get_new_blocks(n * self.num_groups)
-        if self.num_groups == 1:
-            st.tables[0].extend(new)
-            st.ids[0].extend([b.block_id for b in new])
-            return [new]
-        out = []
-        for j, (table, ids) in enumerate(zip(st.tables, st.ids)):
-            part = new[j * n:(j + 1) * n]
-            table.extend(part)
-            ids.extend([b.block_id for b in part])
-            out.append(part)
-        return out
+            return []
+        new = self.pool.get_new_stripes(n, self.width) if self.width > 1 else self.pool.get_new_blocks(n)
+        st.blocks += new
+        st.ids[0].extend(map(_ID, new))
+        return new
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Give content addresses to the request's full blocks among its first ``num_tokens`` tokens."""
@@ -201,9 +222,7 @@ class AttentionManager(ABC):
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         if num_full <= st.num_cached:
             return
-        hashes = request.block_hashes
-        for table, g in zip(st.tables, self.group_ids):
-            self.pool.cache_full_blocks(table, hashes, st.num_cached, num_full, g)
+        self.pool.cache_full_blocks(st.blocks, request.block_hashes, st.num_cached, num_full, self.group_ids[0])
         st.num_cached = num_full
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
@@ -214,63 +233,84 @@ class AttentionManager(ABC):
         st = self.requests.get(request_id)
         if st is None:
             return
-        upto = min(self.num_skipped_tokens(num_computed_tokens) // self.block_size, len(st.tables[0]))
+        upto = min(self.num_skipped_tokens(num_computed_tokens) // self.block_size, len(st.blocks))
         start = st.num_skipped
         if upto <= start:
             return
-        null = self.null_block
-        freed: list[KVCacheBlock] = []
-        n = upto - start
-        for table, ids in zip(st.tables, st.ids):
-            dead = table[start:upto]
-            dead.reverse()  # tail-most first
-            freed.extend([b for b in dead if not b.is_null])
-            table[start:upto] = [null] * n
-            ids[start:upto] = [0] * n
+        dead = st.blocks[start:upto]  # the leads
+        dead.reverse()  # tail-most first
+        st.blocks[start:upto] = [self.null_block] * (upto - start)
+        st.ids[0][start:upto] = [0] * (upto - start)
+        synced = min(upto, st.synced)
+        if start < synced:  # followers' ids already out
+            zeros = [0] * (synced - start)
+            for ids in st.ids[1:]:
+                ids[start:synced] = zeros
         st.num_skipped = upto
-        self.pool.free_blocks(freed)
+        self.pool.free_blocks(dead)
 
-    def pop_blocks(self, request_id: str) -> list[list[KVCacheBlock]] | None:
-        """Forget the request; its non-null blocks per group, tail-most first (None if unknown)."""
+    def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
+        """Forget the request; its blocks (stripe leads) to free, tail-most first (None if unknown)."""
         st = self.requests.pop(request_id, None)
         if st is None:
             return None
-        skip = st.num_skipped
-        return [[b for b in reversed(table[skip:]) if not b.is_null] for table in st.tables]
+        blocks = st.blocks[st.num_skipped:]
+        blocks.reverse()
+        return blocks
 
     def free(self, request_id: str) -> None:
-        groups = self.pop_blocks(request_id)
-        if groups is None:
+        blocks = self.pop_blocks(request_id)
+        if blocks is None:
             raise UnknownRequestError(f"request {request_id!r} has no blocks to free")
-        for blocks in groups:
-            self.pool.free_blocks(blocks)
+        self.pool.free_blocks(blocks)
 
     # ------------------------------------------------------------ inspection
     def get_blocks(self, request_id: str) -> GroupBlocks:
-        return self.state(request_id).tables
+        """The request's table of each group (new lists)."""
+        return self._per_group(self.state(request_id).blocks)
 
     def get_block_ids(self, request_id: str) -> list[list[int]]:
-        return self.state(request_id).ids
+        """The request's block ids of each group (live lists, brought up to date)."""
+        st = self.state(request_id)
+        if st.synced < len(st.blocks):
+            self._sync(st)
+        return st.ids
+
+    def _sync(self, st: RequestBlocks) -> None:
+        """Bring the followers' ids up to date: positions synced.. of the lead table."""
+        n = len(st.blocks)
+        if self.width > 1:
+            lo = max(st.synced, min(st.num_skipped, n))  # null positions before lo
+            zeros = [0] * (lo - st.synced)
+            stripes = list(map(_STRIPE, st.blocks[lo:n]))
+            for j, ids in enumerate(st.ids[1:], 1):
+                ids += zeros
+                ids.extend(map(_ID, map(itemgetter(j), stripes)))
+        st.synced = n
 
     def check_invariants(self, ref_counts: dict[int, int]) -> None:
         """Check every table and add its block references to ``ref_counts``."""
         for rid, st in self.requests.items():
-            lengths = {len(t) for t in st.tables}
-            if len(lengths) != 1:
-                raise InvariantViolation(f"{type(self).__name__}: request {rid!r} tables differ in length: {lengths}")
-            (length,) = lengths
-            if not 0 <= st.num_skipped <= length or not 0 <= st.num_cached <= length:
+            length = len(st.blocks)
+            if not 0 <= st.num_skipped <= length or not 0 <= st.num_cached <= length or st.synced > length:
                 raise InvariantViolation(
-                    f"request {rid!r}: skipped {st.num_skipped} / cached {st.num_cached} outside table of {length}"
+                    f"request {rid!r}: skipped {st.num_skipped} / cached {st.num_cached} / synced {st.synced} "
+                    f"outside table of {length}"
                 )
-            for table, ids in zip(st.tables, st.ids):
-                if [b.block_id for b in table] != ids:
-                    raise InvariantViolation(f"request {rid!r}: block id list out of sync with its table")
-                for i, block in enumerate(table):
-                    if block.is_null:
-                        if i >= st.num_skipped:
-                            raise InvariantViolation(f"request {rid!r}: null block at {i} past the skipped prefix")
-                        continue
-                    if i < st.num_skipped:
-                        raise InvariantViolation(f"request {rid!r}: live block {block.block_id} in the skipped prefix")
-                    ref_counts[block.block_id] = ref_counts.get(block.block_id, 0) + 1
+            if [b.block_id for b in st.blocks] != st.ids[0]:
+                raise InvariantViolation(f"request {rid!r}: block id list out of sync with its table")
+            for i, block in enumerate(st.blocks):
+                if block.is_null != (i < st.num_skipped):
+                    raise InvariantViolation(
+                        f"request {rid!r}: block {block.block_id} at {i} with {st.num_skipped} skipped"
+                    )
+                if not block.is_null and self.width > 1 and (block.stripe is None or len(block.stripe) != self.width):
+                    raise InvariantViolation(f"request {rid!r}: block {block.block_id} at {i} is no stripe of {self.width}")
+            for g, ids in enumerate(st.ids[1:], 1):
+                want = [0 if b.is_null else b.stripe[g].block_id for b in st.blocks[:st.synced]]
+                if ids != want:
+                    raise InvariantViolation(f"request {rid!r}: ids of group {self.group_ids[g]} out of sync")
+            for table in self._per_group(st.blocks):
+                for block in table:
+                    if not block.is_null:
+                        ref_counts[block.block_id] = ref_counts.get(block.block_id, 0) + 1

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from hybridkv.core.block_pool import KVCacheBlock
 from hybridkv.core.hashing import BlockHash
-from hybridkv.core.managers.base import AttentionManager, GroupBlocks
+from hybridkv.core.managers.base import AttentionManager
 from hybridkv.core.specs import ChunkedLocalAttentionSpec
 
 __all__ = ["ChunkedLocalAttentionManager"]
@@ -50,7 +51,7 @@ class ChunkedLocalAttentionManager(AttentionManager):
         chunk = self.attention_chunk_size
         return -(-((num_skipped_blocks + 1) * self.block_size) // chunk) * chunk
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[GroupBlocks, int]:
+    def longest_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[list[KVCacheBlock], int]:
         bs = self.block_size
         chunk = self.attention_chunk_size
         null = self.null_block
@@ -58,8 +59,8 @@ class ChunkedLocalAttentionManager(AttentionManager):
             max_blocks = min(max_length // bs, len(block_hashes))
             chunk_start = max_length // chunk * chunk
             start = min(chunk_start // bs, max_blocks)
-            computed: GroupBlocks = [[null] * start + hits for hits in self._scan(block_hashes, start, max_blocks)]
-            hit = len(computed[0]) * bs
+            computed = [null] * start + self._scan(block_hashes, start, max_blocks)
+            hit = len(computed) * bs
             if hit >= chunk_start or hit == max_length:
                 return computed, hit
             # The block straddling the chunk start missed: the hit ends before the

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from hybridkv.core.block_pool import KVCacheBlock
 from hybridkv.core.hashing import BlockHash
-from hybridkv.core.managers.base import AttentionManager, GroupBlocks
+from hybridkv.core.managers.base import AttentionManager
 
 __all__ = ["FullAttentionManager"]
 
@@ -19,7 +20,7 @@ class FullAttentionManager(AttentionManager):
 
     downward_closed = True
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[GroupBlocks, int]:
+    def longest_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[list[KVCacheBlock], int]:
         max_blocks = min(max_length // self.block_size, len(block_hashes))
         hits = self._scan(block_hashes, 0, max_blocks)
-        return hits, len(hits[0]) * self.block_size
+        return hits, len(hits) * self.block_size

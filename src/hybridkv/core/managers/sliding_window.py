@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from hybridkv.core.block_pool import KVCacheBlock
 from hybridkv.core.hashing import BlockHash
-from hybridkv.core.managers.base import AttentionManager, GroupBlocks
+from hybridkv.core.managers.base import AttentionManager
 from hybridkv.core.specs import SlidingWindowSpec, cdiv
 
 __all__ = ["SlidingWindowManager"]
@@ -40,29 +41,27 @@ class SlidingWindowManager(AttentionManager):
         # block k dies once n - W + 1 >= (k + 1) * block. W 4, block 2, k 0 -> n >= 5.
         return (num_skipped_blocks + 1) * self.block_size + self.sliding_window - 1
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[GroupBlocks, int]:
+    def longest_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[list[KVCacheBlock], int]:
         max_blocks = min(max_length // self.block_size, len(block_hashes))
         need = self.contiguous_blocks
         null = self.null_block
         if need == 0:  # W == 1: a token needs nothing before it
-            return [[null] * max_blocks for _ in range(self.num_groups)], max_blocks * self.block_size
-        computed: GroupBlocks = [[null] * max_blocks for _ in range(self.num_groups)]
+            return [null] * max_blocks, max_blocks * self.block_size
+        computed = [null] * max_blocks
         lookup = self._lookup
         run = 0
         end = None
         for i in range(max_blocks - 1, -1, -1):
-            blocks = lookup(block_hashes[i])
-            if blocks is None:
+            block = lookup(block_hashes[i])
+            if block is None:
                 run = 0
                 continue
-            for lst, block in zip(computed, blocks):
-                lst[i] = block
+            computed[i] = block
             run += 1
             if run >= need:
                 end = i + run
                 break
         if end is None:  # the leading run (possibly empty) reaches position 0
             end = run
-        for lst in computed:
-            del lst[end:]
+        del computed[end:]
         return computed, end * self.block_size
