@@ -34,6 +34,21 @@ def valid(spec, cached, L, bs):
     return all(cached[i] for i in range(first_needed_token(spec, L) // bs, L // bs))
 
 
+def check_hit(c, specs, hashes, cached, expect, bs, max_length):
+    """The coordinator's hit equals the oracle's longest valid length, with real blocks
+    (``expect[g][position]``) exactly where tokens are needed and null blocks before."""
+    blocks, L = c.find_longest_cache_hit(hashes, max_length)
+    limit = min(max_length, len(hashes) * bs) // bs * bs
+    candidates = [x for x in range(0, limit + 1, bs) if all(valid(s, m, x, bs) for s, m in zip(specs, cached))]
+    want = max(candidates) if limit >= bs else 0
+    assert L == want, (specs, bs, cached, max_length)
+    for g, (spec, table) in enumerate(zip(specs, blocks)):
+        assert len(table) == L // bs
+        first = first_needed_token(spec, L) // bs
+        assert all(b.is_null for b in table[:first])
+        assert all(not b.is_null and b.block_id == expect[g][i] for i, b in enumerate(table) if i >= first)
+
+
 spec_strategy = st.one_of(
     st.just(("full", 0)),
     st.tuples(st.just("sliding"), st.integers(1, 9)),
@@ -57,18 +72,8 @@ def test_hit_is_the_longest_valid_for_every_group(bs, kinds, data):
         mask = data.draw(st.lists(st.booleans(), min_size=num_blocks, max_size=num_blocks))
         mark_cached(c.pool, hashes, mask, group=g, first_id=10 + 15 * g)
         cached.append(mask)
-    max_length = data.draw(st.integers(0, num_blocks * bs + bs - 1))
-    blocks, L = c.find_longest_cache_hit(hashes, max_length)
-
-    limit = min(max_length, num_blocks * bs) // bs * bs
-    candidates = [x for x in range(0, limit + 1, bs) if all(valid(s, m, x, bs) for s, m in zip(specs, cached))]
-    want = max(candidates) if limit >= bs else 0
-    assert L == want, (kinds, bs, cached, max_length)
-    for g, (spec, table) in enumerate(zip(specs, blocks)):
-        assert len(table) == L // bs
-        first = first_needed_token(spec, L) // bs
-        assert all(b.is_null for b in table[:first])
-        assert all(not b.is_null and b.block_id == 10 + 15 * g + i for i, b in enumerate(table) if i >= first)
+    expect = [{i: 10 + 15 * g + i for i in range(num_blocks)} for g in range(len(specs))]
+    check_hit(c, specs, hashes, cached, expect, bs, data.draw(st.integers(0, num_blocks * bs + bs - 1)))
 
 
 @settings(max_examples=300, deadline=None)
@@ -97,15 +102,4 @@ def test_striped_hit_is_the_longest_valid_for_every_group(bs, kinds, data):
         for g in m.group_ids:
             cached[g] = mask
     pool.check_invariants()
-    max_length = data.draw(st.integers(0, num_blocks * bs + bs - 1))
-    blocks, L = c.find_longest_cache_hit(hashes, max_length)
-
-    limit = min(max_length, num_blocks * bs) // bs * bs
-    candidates = [x for x in range(0, limit + 1, bs) if all(valid(s, m, x, bs) for s, m in zip(specs, cached))]
-    want = max(candidates) if limit >= bs else 0
-    assert L == want, (kinds, bs, cached, max_length)
-    for g, (spec, table) in enumerate(zip(specs, blocks)):
-        assert len(table) == L // bs
-        first = first_needed_token(spec, L) // bs
-        assert all(b.is_null for b in table[:first])
-        assert all(b.block_id == expect[g][i] for i, b in enumerate(table) if i >= first)
+    check_hit(c, specs, hashes, cached, expect, bs, data.draw(st.integers(0, num_blocks * bs + bs - 1)))

@@ -308,13 +308,9 @@ class BlockPool:
         return units, widths, got
 
     def _evict_all(self, blocks: list[KVCacheBlock]) -> None:
-        """Evict the cached ones among ``blocks`` (the loop of :meth:`_evict`, inlined)."""
-        if self.enable_kv_events:
-            for block in blocks:
-                if block.block_hash is not None:
-                    self._evict(block)
-            return
+        """Forget the content address of every cached block (or stripe) among ``blocks``."""
         maps = self._cached
+        events = self._events if self.enable_kv_events else None
         for block in blocks:
             key = block.block_hash
             if key is None:
@@ -327,6 +323,10 @@ class BlockPool:
                 del entry[block.block_id]
                 if len(entry) == 1:
                     group[key] = next(iter(entry.values()))
+            if events is not None:
+                gids = self._stripe_groups.get(block.group_id, (block.group_id,))
+                for member, gid in zip(block.stripe or (block,), gids):
+                    events.append(BlockRemoved(key, member.block_id, gid, self.group_kinds[gid]))
             block.block_hash = None
             block.group_id = -1
 
@@ -345,24 +345,6 @@ class BlockPool:
         lead.stripe = None
         lead.width = 1
         return members
-
-    def _evict(self, block: KVCacheBlock) -> None:
-        group = self._cached[block.group_id]
-        key = block.block_hash
-        entry = group.get(key)
-        if entry is block:
-            del group[key]
-        elif type(entry) is dict:
-            del entry[block.block_id]
-            if len(entry) == 1:
-                group[key] = next(iter(entry.values()))
-        if self.enable_kv_events:
-            members = block.stripe or (block,)
-            gids = self._stripe_groups.get(block.group_id, (block.group_id,))
-            for member, gid in zip(members, gids):
-                self._events.append(BlockRemoved(key, member.block_id, gid, self.group_kinds[gid]))
-        block.block_hash = None
-        block.group_id = -1
 
     def cache_full_blocks(
         self,
