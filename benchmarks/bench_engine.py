@@ -14,8 +14,9 @@ tokens each (``--quick``: 32 new tokens, 3 rounds, about 25 s), greedy, no stop 
 * ours: a fresh ``LLMEngine`` per round, built before the clock starts (block 16,
   default budget 2048 tokens / step, prefix caching on; the prompts share nothing, and
   a hit would abort the run), then one ``engine.generate`` of all 32 prompts, batched
-  by the scheduler (chunked prefill, then 32-wide decode). Its linears run on
-  oneDNN-prepacked weights (the loader's default on CPU fp32, see
+  by the scheduler (chunked prefill, then 32-wide decode), no EOS stop (``ignore_eos``,
+  as HF's side). Its linears run on prepacked weight copies (the loader's default on
+  CPU fp32: transposed for decode-sized inputs, oneDNN for prefill, see
   ``hybridkv.engine.models.linear``); the full run also times ``ours-plain``, the
   same engine on ``F.linear`` (MKL, the GEMMs HF uses), to show what that part buys.
 * HF: what a user batching with transformers runs: one ``model.generate`` call on
@@ -116,7 +117,7 @@ def new_engine(model) -> LLMEngine:
 
 
 def ours_generate(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    outs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))  # as HF: no EOS stop
     if any(o.num_cached_tokens for o in outs):
         raise AssertionError("prefix cache hits between random prompts: the comparison would be unfair")
     return [list(o.output_token_ids) for o in outs]
@@ -157,7 +158,7 @@ def main() -> None:
         build_model(Path(tmp))
         hf_model = load_hf(Path(tmp), args.hf_attn)
         models = {"ours": load_model(tmp)}
-        if not args.quick:  # the same engine on F.linear (MKL, as HF): what the oneDNN prepacking buys
+        if not args.quick:  # the same engine on F.linear (MKL, as HF): what the prepacked copies buy
             models["ours-plain"] = load_model(tmp, prepack=False)
     lens = [len(p) for p in prompts]
     print(f"tiny Llama-4 (hidden 256, 8 layers, chunk 64, vocab {VOCAB}, fp32, CPU), "

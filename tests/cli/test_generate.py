@@ -1,4 +1,5 @@
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,8 @@ def test_generate_json_two_prompts(model_dir, capsys):
         ([], "at least one"),
         (["--prompt", "hi"], "vocabulary of >= 256"),
         (["--prompt-ids", ",".join(["1"] * 600)], "exceeds max_model_len"),
+        (["--prompt-ids", "1,2", "--stop-token-ids", "7,y"], "--stop-token-ids takes comma-separated ints"),
+        (["--prompt-ids", "1,2", "--stop-token-ids", "-3"], "token ids must be non-negative"),
     ],
 )
 def test_bad_input_one_line_exit_2(model_dir, capsys, argv, message):
@@ -71,11 +74,45 @@ def test_byte_level_text_mode(tmp_path, capsys):
     with torch.no_grad():  # larger weights than HF's init: logits far from ties
         for param in hf.parameters():
             param.normal_(0, 0.3)
-    hf.generation_config.eos_token_id = None  # HF would stop at token 2; ours ignores EOS
+    hf.generation_config.eos_token_id = None  # config.json keeps LlamaConfig's EOS 2: both run 5 tokens
     hf.save_pretrained(tmp_path)
     prompt = list("héllo".encode("utf-8"))
     want = hf_generate(hf, prompt, 5)[0]
-    assert main(["generate", str(tmp_path), "--prompt", "héllo", "--max-tokens", "5", "--json"]) == 0
+    assert main(["generate", str(tmp_path), "--prompt", "héllo", "--max-tokens", "5", "--json", "--ignore-eos"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["prompt_ids"] == prompt and record["output_ids"] == want
     assert record["text"] == bytes(t for t in want if t < 256).decode("utf-8", errors="replace")
+
+
+def _first_new(tokens: list[int]) -> int:
+    """Index of the first token (from the second on) that has not appeared before it."""
+    return next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+def test_stop_token_ids_end_a_request_early(model_dir, capsys):
+    path, hf = model_dir
+    prompt = list(range(3, 43))
+    want = hf_generate(hf, prompt, 6)[0]
+    i = _first_new(want)
+    assert i + 1 < len(want)  # the stop comes before max_tokens
+    ids = ",".join(map(str, prompt))
+    assert main(["generate", str(path), "--prompt-ids", ids, "--max-tokens", "6",
+                 "--stop-token-ids", f"{want[i]},1000", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["output_ids"] == want[: i + 1] and first["finish_reason"] == "stop"
+
+
+def test_model_eos_ends_a_request_unless_ignored(model_dir, tmp_path, capsys):
+    src, hf = model_dir
+    prompt = list(range(3, 43))
+    want = hf_generate(hf, prompt, 6)[0]
+    i = _first_new(want)
+    path = tmp_path / "with-eos"
+    shutil.copytree(src, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": want[i]}))
+    argv = ["generate", str(path), "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "6"]
+    assert main(argv) == 0
+    assert [int(t) for t in capsys.readouterr().out.strip().split(",")] == want[: i + 1]
+    assert main([*argv, "--ignore-eos"]) == 0
+    assert [int(t) for t in capsys.readouterr().out.strip().split(",")] == want

@@ -210,3 +210,20 @@ def test_cached_stripe_is_one_entry_for_all_its_groups():
     assert pool.lookup(b"h1", 1) is None and pool.lookup(b"h0", 2) is pool.blocks[2]
     assert [(e.block_id, e.group_id) for e in pool.take_events()] == [(3, 1), (4, 2)]
     pool.check_invariants({b.block_id: 1 for b in got})
+
+
+def test_bind_and_pop_lru_docstring_examples():
+    from hybridkv.core.blocks import bind_stripes
+
+    b = [KVCacheBlock(i) for i in range(12)]
+    bind_stripes([b[4], b[3], b[9], b[8]], 2, 2)
+    assert ids(b[4].stripe) == [4, 9] and ids(b[3].stripe) == [3, 8] and b[9].stripe is None
+    q = FreeBlockQueue(uncached_first=False)
+    q.preform(b[1:11], 3)
+    assert q.block_ids() == [1, 4, 7, 10] and ids(b[7].stripe) == [7, 8, 9]
+    units, widths, got = q.pop_lru(4, 3)
+    assert ids(units) == [1, 4] and widths == [3, 3] and got == 6 and q.block_ids() == [7, 10]
+    # guessing stripes where plain blocks are: more rounds, nothing given back
+    q.lru_front([b[11], b[0]])
+    units, widths, got = q.pop_lru(4, 3)
+    assert ids(units) == [11, 0, 7] and got == 5 and q.block_ids() == [10]

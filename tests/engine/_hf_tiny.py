@@ -139,9 +139,12 @@ def build_tiny(name: str, path: Path, seed: int = 0):
     torch.manual_seed(seed)
     model = cls(config).eval()
     _redraw(model, seed)
-    model.save_pretrained(path)
-    model.generation_config.eos_token_id = None  # never stop early: compare every token
+    # no EOS in the saved model either: HF and the engine run every token, so each is compared
+    # (tests of EOS handling give a model one, see test_engine.py)
+    model.config.eos_token_id = None
+    model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
+    model.save_pretrained(path)
     return model
 
 

@@ -8,6 +8,9 @@ pool so small that cached blocks are evicted and requests are preempted.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from _hf_tiny import CONFIGS, hf_generate
@@ -134,3 +137,53 @@ def test_bad_input_is_refused_before_any_state_changes(refs):
         engine.add_request(list(range(100)), SamplingParams(max_tokens=28))  # 128 tokens: 16 blocks > 9 usable
     assert not engine.has_unfinished_requests()
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].output_token_ids
+
+
+def _first_new_token(tokens: list[int], start: int = 2) -> int:
+    """Index of the first token from ``start`` on that has not appeared before it."""
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+def _with_eos(src, dst, config_eos, generation_eos=None):
+    """A copy of model dir ``src`` whose config.json (and generation_config.json) name these EOS ids."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "eos_token_id": config_eos}))
+    if generation_eos is not None:
+        (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    return dst
+
+
+def test_engine_stops_at_the_model_eos_like_hf(refs, tiny_models, tmp_path):
+    path, want = refs("llama4_dense")
+    _, hf = tiny_models("llama4_dense")
+    tokens = want["A"][0]
+    i = _first_new_token(tokens)
+    eos = tokens[i]
+    engine = LLMEngine(_with_eos(path, tmp_path / "m", [eos]), EngineConfig(block_size=8, num_blocks=200, max_model_len=256))
+    assert engine.eos_token_ids == (eos,)
+    out = engine.generate([PROMPTS["A"]], SamplingParams(max_tokens=NEW))[0]
+    assert list(out.output_token_ids) == tokens[: i + 1] and out.finish_reason == "stop"
+    ids = torch.tensor([PROMPTS["A"]])
+    with torch.no_grad():  # HF generate with the same EOS stops at the same token
+        hf_out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                             eos_token_id=eos, pad_token_id=0)
+    assert hf_out[0, ids.shape[1]:].tolist() == list(out.output_token_ids)
+    ignored = engine.generate([PROMPTS["A"]], SamplingParams(max_tokens=NEW, ignore_eos=True))[0]
+    assert list(ignored.output_token_ids) == tokens and ignored.finish_reason == "length"
+
+
+def test_stop_token_ids_hold_with_ignore_eos_and_generation_config_eos_counts(refs, tmp_path):
+    path, want = refs("llama4_dense")
+    tokens = want["C"][0]
+    i = _first_new_token(tokens)
+    j = _first_new_token(tokens, i + 1)
+    # config.json's EOS never comes out (outside the vocabulary); generation_config.json's is token j
+    engine = LLMEngine(_with_eos(path, tmp_path / "m", 1000, [tokens[j], 1000]),
+                       EngineConfig(block_size=8, num_blocks=200, max_model_len=256))
+    assert engine.eos_token_ids == (1000, tokens[j])
+    out = engine.generate([PROMPTS["C"]], SamplingParams(max_tokens=NEW))[0]
+    assert list(out.output_token_ids) == tokens[: j + 1] and out.finish_reason == "stop"
+    sp = SamplingParams(max_tokens=NEW, stop_token_ids=(tokens[i],), ignore_eos=True)
+    out = engine.generate([PROMPTS["C"]], sp)[0]
+    assert list(out.output_token_ids) == tokens[: i + 1] and out.finish_reason == "stop"

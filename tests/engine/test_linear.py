@@ -1,4 +1,4 @@
-"""Fused projections and oneDNN-prepacked linears: same parameters, same results as F.linear."""
+"""Fused projections and prepacked linears (transposed / oneDNN copies): same parameters, same results as F.linear."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from hybridkv.engine.host import long_tensor
 from hybridkv.engine.models import load_model
-from hybridkv.engine.models.linear import Linear, PackedWeight, fuse_linears, linear, prepack_available
+from hybridkv.engine.models.linear import SMALL_ROWS, Linear, PackedWeight, fuse_linears, linear, prepack_available
 
 needs_onednn = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN prepacking")
 
@@ -28,12 +28,28 @@ def test_fused_linears_are_views_with_the_same_values():
     torch.testing.assert_close(F.linear(x, weight, bias), want)
 
 
+@pytest.mark.parametrize("rows", [1, 33, SMALL_ROWS, SMALL_ROWS + 1, 300], ids=lambda r: f"{r}-rows")
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "transposed-only"])
+def test_packed_kernels_match_f_linear(rows, onednn):
+    if onednn and not prepack_available():
+        pytest.skip("this torch build has no oneDNN prepacking")
+    torch.manual_seed(2)
+    lin = Linear(256, 96)
+    packed = PackedWeight(lin.weight, onednn=onednn)
+    assert packed.transposed.shape == (256, 96) and packed.transposed.is_contiguous()
+    x = torch.randn(rows, 256)
+    want = F.linear(x, lin.weight, lin.bias)
+    for bias in (lin.bias, None):
+        got = linear(x, lin.weight, bias, packed)
+        torch.testing.assert_close(got, want if bias is not None else want - lin.bias, atol=1e-4, rtol=1e-5)
+
+
 @needs_onednn
 def test_prepacked_linear_matches_and_notices_changed_weights():
     torch.manual_seed(1)
     lin = Linear(256, 96)
     lin.prepack()
-    assert lin.packed is not None
+    assert lin.packed is not None and lin.packed.packed is not None
     x = torch.randn(33, 256)
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
     with torch.no_grad():

@@ -10,7 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybridkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from hybridkv.engine.attention import FULL, AttentionType
 from hybridkv.engine.models import Llama4ForCausalLM, Qwen2ForCausalLM, load_model, model_class_for
+from hybridkv.engine.models.base import attention_types
+from hybridkv.engine.models.weights import eos_token_ids
 from hybridkv.errors import InvalidConfigError, UnknownArchitectureError, WeightLoadError
 
 
@@ -130,3 +133,48 @@ def test_llama4_defaults_follow_hf():
     with torch.device("meta"):
         dense = Llama4ForCausalLM({**cfg, "moe_layers": []})
     assert dense.moe_layers == set()
+
+
+def test_attention_types_from_layer_types():
+    names = ["sliding_attention", "full_attention", "chunked_attention"]
+    assert attention_types(names, 3, "X", sliding_window=4, attention_chunk_size=8) == [
+        AttentionType("sliding", 4), FULL, AttentionType("chunked", 8)
+    ]
+    with pytest.raises(InvalidConfigError, match="layer 2: unsupported X layer type 'chunked_attention'"):
+        attention_types(names, 3, "X", sliding_window=4)
+    with pytest.raises(InvalidConfigError, match=r"layer 0 is sliding_attention but the config has no sliding_window \(why\)"):
+        attention_types(names, 3, "X", hint=" (why)", sliding_window=None, attention_chunk_size=8)
+    with pytest.raises(InvalidConfigError, match="layer_types has 3 entries for 4 layers"):
+        attention_types(names, 4, "X", sliding_window=4, attention_chunk_size=8)
+
+
+def test_decoder_layers_keep_hf_names(tiny_models):
+    llama4 = load_model(tiny_models("llama4_dense")[0])
+    gemma = load_model(tiny_models("gemma3")[0])
+    assert sorted(n for n, _ in llama4.model.layers[0].named_children()) == [
+        "feed_forward", "input_layernorm", "post_attention_layernorm", "self_attn"
+    ]
+    assert sorted(n for n, _ in gemma.model.layers[0].named_children()) == [
+        "input_layernorm", "mlp", "post_attention_layernorm", "post_feedforward_layernorm",
+        "pre_feedforward_layernorm", "self_attn",
+    ]
+
+
+def test_eos_token_ids_from_config_and_generation_config(tmp_path):
+    assert eos_token_ids({"eos_token_id": 2}) == (2,)
+    assert eos_token_ids({"eos_token_id": [1, 106]}) == (1, 106)
+    assert eos_token_ids({"eos_token_id": None}, tmp_path) == ()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [106, 7]}))
+    assert eos_token_ids({"eos_token_id": [1, 106]}, tmp_path) == (1, 106, 7)
+    with pytest.raises(InvalidConfigError, match="config.json: eos_token_id must be a non-negative int"):
+        eos_token_ids({"eos_token_id": "2"})
+    (tmp_path / "generation_config.json").write_text("{")
+    with pytest.raises(InvalidConfigError, match="generation_config.json: not valid JSON"):
+        eos_token_ids({}, tmp_path)
+
+
+def test_loaded_model_knows_its_eos(tiny_models, tmp_path):
+    path = _copy(tiny_models, "mistral", tmp_path)
+    assert load_model(path).eos_token_ids == ()  # the tiny models are saved without one
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert load_model(path).eos_token_ids == (5,)

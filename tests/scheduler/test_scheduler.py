@@ -4,7 +4,13 @@ from hypothesis import strategies as st
 
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
 from hybridkv.core.kv_cache_manager import KVCacheManager
-from hybridkv.errors import DuplicateRequestError, InvalidConfigError, PoolTooSmallError, PromptTooLongError
+from hybridkv.errors import (
+    DuplicateRequestError,
+    InvalidArgumentError,
+    InvalidConfigError,
+    PoolTooSmallError,
+    PromptTooLongError,
+)
 from hybridkv.scheduler import FakeRunner, FinishReason, SamplingParams, Scheduler, SchedulerConfig, fake_token
 
 from tests.core.helpers import chunked, full, sliding
@@ -165,3 +171,14 @@ def test_random_workloads_finish_with_exact_outputs(prompts, budget, num_blocks)
     for rid, max_tokens in accepted.items():
         assert done[rid].output_token_ids == [fake_token(rid, k) for k in range(max_tokens)]
     assert s.kv.num_free_blocks == num_blocks - 1
+
+
+def test_sampling_params_eos_defaults_like_vllm():
+    sp = SamplingParams(max_tokens=4, stop_token_ids=[9])
+    assert sp.ignore_eos is False and sp.stop_token_ids == (9,)
+    assert sp.with_eos([2, 9, 2]).stop_token_ids == (9, 2)
+    ignoring = SamplingParams(stop_token_ids=(9,), ignore_eos=True)
+    assert ignoring.with_eos([2]) is ignoring  # the request's own stop ids still hold
+    assert sp.with_eos([]) is sp
+    with pytest.raises(InvalidArgumentError, match="stop_token_ids must be non-negative ints"):
+        SamplingParams(stop_token_ids=(1, -2))

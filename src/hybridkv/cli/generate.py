@@ -6,7 +6,10 @@
 ``--prompt`` encodes text as UTF-8 bytes (token id = byte value, so the model's
 vocabulary must hold 256 ids) and prints the output bytes decoded as UTF-8, for
 byte-level models. Greedy by default; ``--temperature`` / ``--top-k`` / ``--top-p``
-/ ``--seed`` sample. torch is imported only when the command runs.
+/ ``--seed`` sample. A prompt stops at the model's EOS ids (``eos_token_id`` of
+config.json and generation_config.json) unless ``--ignore-eos``, and at any of
+``--stop-token-ids`` either way; the stop token is the last one printed. torch is
+imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -19,15 +22,15 @@ from hybridkv.errors import InvalidArgumentError
 __all__ = ["add_parser", "run", "parse_prompt_ids"]
 
 
-def parse_prompt_ids(text: str) -> list[int]:
-    """"1,2,3" or "1 2 3" -> [1, 2, 3]."""
+def parse_prompt_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
+    """"1,2,3" or "1 2 3" -> [1, 2, 3]; ``flag`` names the option in errors."""
     parts = text.replace(",", " ").split()
     if not parts:
-        raise InvalidArgumentError("--prompt-ids needs at least one token id")
+        raise InvalidArgumentError(f"{flag} needs at least one token id")
     try:
         ids = [int(p) for p in parts]
     except ValueError:
-        raise InvalidArgumentError(f"--prompt-ids takes comma-separated ints, got {text!r}") from None
+        raise InvalidArgumentError(f"{flag} takes comma-separated ints, got {text!r}") from None
     if any(i < 0 for i in ids):
         raise InvalidArgumentError(f"token ids must be non-negative, got {text!r}")
     return ids
@@ -44,6 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop-token-ids", action="append", default=[], metavar="IDS",
+                   help="comma-separated ids that end a prompt's output (kept in it); repeatable")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS ids")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized for the batch)")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget instead of --num-blocks, e.g. 256MiB")
@@ -56,6 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     prompts = [parse_prompt_ids(t) for t in args.prompt_ids]
+    stop_ids = tuple(dict.fromkeys(i for t in args.stop_token_ids for i in parse_prompt_ids(t, "--stop-token-ids")))
     text_mode = bool(args.prompt)
     if text_mode and prompts:
         raise InvalidArgumentError("give --prompt-ids or --prompt, not both")
@@ -76,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if text_mode and engine.model.vocab_size < 256:
         raise InvalidArgumentError(f"text mode needs a vocabulary of >= 256 ids, the model has {engine.model.vocab_size}")
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, seed=args.seed)
+                        top_p=args.top_p, seed=args.seed, stop_token_ids=stop_ids, ignore_eos=args.ignore_eos)
     for out in engine.generate(prompts, sp):
         ids = list(out.output_token_ids)
         if args.json:

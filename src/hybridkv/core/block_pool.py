@@ -42,12 +42,10 @@ takes 7, then unmakes (1, 2, 3), takes 1 and keeps 2 and 3 as free plain blocks
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from itertools import accumulate
 from operator import attrgetter
 from typing import Iterable, Sequence
 
-from hybridkv.core.blocks import NULL_BLOCK_ID, FreeBlockQueue, KVCacheBlock
+from hybridkv.core.blocks import NULL_BLOCK_ID, FreeBlockQueue, KVCacheBlock, bind_stripes, unmake_stripe
 from hybridkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from hybridkv.core.hashing import BlockHash
 from hybridkv.core.pool_invariants import check_pool
@@ -56,8 +54,6 @@ from hybridkv.errors import InvalidArgumentError, InvariantViolation
 __all__ = ["KVCacheBlock", "FreeBlockQueue", "BlockPool", "NULL_BLOCK_ID"]
 
 _HASH = attrgetter("block_hash")
-_STRIPE = attrgetter("stripe")
-_WIDTH = attrgetter("width")
 
 
 class BlockPool:
@@ -116,35 +112,8 @@ class BlockPool:
         self._stripe_groups[group_ids[0]] = group_ids
         for j, g in enumerate(group_ids):
             self._member_of[g] = (group_ids[0], j)
-        self._preform()
-
-    def _preform(self) -> None:
-        """On a fresh pool, bind the free blocks into stripes of the widest striped group:
-        fresh stripes then cost a striped allocation one entry each, and a plain one
-        takes a stripe's members as plain blocks. Width 3, 10 blocks: stripes
-        (1, 2, 3), (4, 5, 6), (7, 8, 9); group j of a request's first stripes gets
-        blocks 1 + j, 4 + j, ...
-        """
-        if self._num_free != self.num_blocks - 1 or any(self._cached):
-            return
-        width = max(len(g) for g in self._stripe_groups.values())
-        for block in self.blocks[1:]:
-            block.stripe = None
-            block.width = 1
-        plain = self.blocks[1:]
-        n = len(plain) // width
-        fq = self.free_queue
-        fq.clear()
-        leads = plain[0:n * width:width]
-        for i in range(n):
-            lead = leads[i]
-            lead.stripe = tuple(plain[i * width:(i + 1) * width])
-            lead.width = width
-        if fq.uncached_first:
-            fq.stacks[width] = leads[::-1]  # stripe (1, 2, ...) on top
-            fq.stacks[1] = plain[n * width:][::-1]
-        else:
-            fq.lru.update((b.block_id, b) for b in leads + plain[n * width:])
+        if self._num_free == self.num_blocks - 1 and not any(self._cached):  # a fresh pool
+            self.free_queue.preform(self.blocks[1:], max(len(g) for g in self._stripe_groups.values()))
 
     # ------------------------------------------------------------------ queries
     @property
@@ -225,7 +194,7 @@ class BlockPool:
             loose = self._loose((num_stripes - len(leads)) * width, width, leads)
             m = num_stripes - len(leads)
             if m:
-                self._bind(loose, m, width)
+                bind_stripes(loose, m, width)
                 leads += loose[:m]
         for lead in leads:
             lead.ref_cnt = 1
@@ -246,7 +215,7 @@ class BlockPool:
                 continue
             st = fq.stacks[w]
             while st and len(loose) < need:
-                members = self._unmake(st.pop())
+                members = unmake_stripe(st.pop())
                 take = need - len(loose)
                 loose += members[:take]
                 fq.stash(members[take:])
@@ -255,7 +224,7 @@ class BlockPool:
         units, widths, got = self._pop_units(need - len(loose), width)
         tail: tuple[KVCacheBlock, ...] = ()
         if got > need - len(loose):  # the last entry is a stripe only partly needed
-            tail = self._unmake(units.pop())
+            tail = unmake_stripe(units.pop())
             widths.pop()
             got -= len(tail)
         if widths.count(1) == len(units):
@@ -269,40 +238,16 @@ class BlockPool:
                 elif w == 1:
                     loose.append(block)
                 else:
-                    loose.extend(self._unmake(block))
+                    loose.extend(unmake_stripe(block))
         take = need - len(loose)
         loose.extend(tail[:take])
         fq.stash(tail[take:])
         return loose
 
     def _pop_units(self, need: int, guess: int) -> tuple[list[KVCacheBlock], list[int], int]:
-        """Pop LRU entries (a stripe is one entry of its width) from the head until they
-        hold at least ``need`` blocks, evicting their cache; (entries, their widths,
-        blocks they hold). Only the last entry can hold more than is needed.
-
-        Each round pops the deficit divided by the width last seen (``guess`` at
-        first), so plain blocks and stripes both take few rounds; entries popped past
-        the one that reaches ``need`` go back untouched.
-        """
-        fq = self.free_queue
-        q = fq.lru
-        pop = q.popitem
-        units = [pop(False)[1] for _ in range(min(-(-need // guess), len(q)))]
-        widths = list(map(_WIDTH, units))
-        got = sum(widths)
-        while got < need:
-            more = [pop(False)[1] for _ in range(min(-(-(need - got) // widths[-1]), len(q)))]
-            units += more
-            more_widths = list(map(_WIDTH, more))
-            widths += more_widths
-            got += sum(more_widths)
-        if got > need and len(units) > 1:
-            acc = list(accumulate(widths))
-            cut = bisect_left(acc, need) + 1
-            if cut < len(units):
-                fq.lru_front(units[cut:])
-                del units[cut:], widths[cut:]
-                got = acc[cut - 1]
+        """LRU entries holding at least ``need`` blocks (see :meth:`FreeBlockQueue.pop_lru`),
+        their cache evicted; (entries, their widths, blocks they hold)."""
+        units, widths, got = self.free_queue.pop_lru(need, guess)
         if any(map(_HASH, units)):
             self._evict_all(units)
         return units, widths, got
@@ -329,22 +274,6 @@ class BlockPool:
                     events.append(BlockRemoved(key, member.block_id, gid, self.group_kinds[gid]))
             block.block_hash = None
             block.group_id = -1
-
-    @staticmethod
-    def _bind(blocks: list[KVCacheBlock], m: int, width: int) -> None:
-        """Make stripes i = (blocks[i], blocks[m + i], ..., blocks[(width - 1) * m + i]), i < m."""
-        if width < 2:
-            return
-        for lead, members in zip(blocks, zip(*[blocks[j * m:(j + 1) * m] for j in range(width)])):
-            lead.stripe = members
-            lead.width = width
-
-    def _unmake(self, lead: KVCacheBlock) -> tuple[KVCacheBlock, ...]:
-        """Turn a free, uncached stripe back into plain blocks; its members."""
-        members = lead.stripe
-        lead.stripe = None
-        lead.width = 1
-        return members
 
     def cache_full_blocks(
         self,

@@ -6,14 +6,19 @@ and stripes.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict, defaultdict
+from itertools import accumulate
+from operator import attrgetter
 from typing import Iterable, Iterator, Sequence
 
 from hybridkv.core.hashing import BlockHash
 
-__all__ = ["KVCacheBlock", "FreeBlockQueue", "NULL_BLOCK_ID"]
+__all__ = ["KVCacheBlock", "FreeBlockQueue", "NULL_BLOCK_ID", "bind_stripes", "unmake_stripe"]
 
 NULL_BLOCK_ID = 0
+
+_WIDTH = attrgetter("width")
 
 
 class KVCacheBlock:
@@ -38,6 +43,26 @@ class KVCacheBlock:
     def __repr__(self) -> str:
         cached = f", hash={self.block_hash.hex()[:8]}@g{self.group_id}" if self.block_hash else ""
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}{cached})"
+
+
+def bind_stripes(blocks: list[KVCacheBlock], m: int, width: int) -> None:
+    """Make stripes i = (blocks[i], blocks[m + i], ..., blocks[(width - 1) * m + i]), i < m.
+
+    Example: blocks [4, 3, 9, 8], m 2, width 2 → stripes (4, 9) and (3, 8).
+    """
+    if width < 2:
+        return
+    for lead, members in zip(blocks, zip(*[blocks[j * m:(j + 1) * m] for j in range(width)])):
+        lead.stripe = members
+        lead.width = width
+
+
+def unmake_stripe(lead: KVCacheBlock) -> tuple[KVCacheBlock, ...]:
+    """Turn a free, uncached stripe back into plain blocks; its members."""
+    members = lead.stripe
+    lead.stripe = None
+    lead.width = 1
+    return members
 
 
 class FreeBlockQueue:
@@ -130,3 +155,55 @@ class FreeBlockQueue:
         self.lru.clear()
         self.stacks.clear()
         self.stacks[1] = []
+
+    def preform(self, blocks: list[KVCacheBlock], width: int) -> None:
+        """Refill the queue with ``blocks`` (all free, uncached) bound into stripes of
+        ``width``, the rest plain: a striped allocation on a fresh pool then takes one
+        entry per position, and a plain one a stripe's members as plain blocks.
+        Width 3, blocks 1-10: stripes (1, 2, 3), (4, 5, 6), (7, 8, 9), plain 10.
+        """
+        for block in blocks:
+            block.stripe = None
+            block.width = 1
+        n = len(blocks) // width
+        leads = blocks[0:n * width:width]
+        for i, lead in enumerate(leads):
+            lead.stripe = tuple(blocks[i * width:(i + 1) * width])
+            lead.width = width
+        self.clear()
+        if self.uncached_first:
+            self.stacks[width] = leads[::-1]  # stripe (1, 2, ...) on top
+            self.stacks[1] = blocks[n * width:][::-1]
+        else:
+            self.lru.update((b.block_id, b) for b in leads + blocks[n * width:])
+
+    def pop_lru(self, need: int, guess: int) -> tuple[list[KVCacheBlock], list[int], int]:
+        """Pop LRU entries (a stripe is one entry of its width) from the head until they
+        hold at least ``need`` blocks (or the LRU is empty); (entries, their widths,
+        blocks they hold). Only the last entry can hold more than is needed.
+
+        Each round pops the deficit divided by the width last seen (``guess`` at
+        first), so plain blocks and stripes both take few rounds; entries popped past
+        the one that reaches ``need`` go back untouched. Example: need 4, guess 3, LRU
+        [S(3), S(3), 7]: round 1 pops 2 stripes (6 blocks); the second is needed for
+        its first block only, so nothing goes back → 2 entries, 6 blocks.
+        """
+        q = self.lru
+        pop = q.popitem
+        units = [pop(False)[1] for _ in range(min(-(-need // guess), len(q)))]
+        widths = list(map(_WIDTH, units))
+        got = sum(widths)
+        while got < need and q:
+            more = [pop(False)[1] for _ in range(min(-(-(need - got) // widths[-1]), len(q)))]
+            units += more
+            more_widths = list(map(_WIDTH, more))
+            widths += more_widths
+            got += sum(more_widths)
+        if got > need and len(units) > 1:
+            acc = list(accumulate(widths))
+            cut = bisect_left(acc, need) + 1
+            if cut < len(units):
+                self.lru_front(units[cut:])
+                del units[cut:], widths[cut:]
+                got = acc[cut - 1]
+        return units, widths, got

@@ -7,6 +7,9 @@ Built from the pieces in layer order: the model says each layer's attention type
 core specs → the planner groups the layers (equal group sizes, tensors shared by
 position) → ``KVCacheManager`` over the groups → ``Scheduler`` → ``PagedModelRunner``
 over a ``PagedKVStorage`` laid out like the groups. Prefix caching is on by default.
+A request stops at the model's EOS ids (``config.json`` and ``generation_config.json``
+``eos_token_id``) and at its ``stop_token_ids``; ``SamplingParams(ignore_eos=True)``
+keeps only the latter.
 
 Bad input is refused before any state changes: token ids outside the vocabulary,
 empty prompts and prompts longer than ``max_model_len`` raise typed errors from
@@ -111,6 +114,8 @@ class LLMEngine:
             debug=config.debug_checks,
         )
         self.runner = PagedModelRunner(m, self.storage, seed=config.seed)
+        #: where requests stop unless they ask ``ignore_eos`` (config.json + generation_config.json)
+        self.eos_token_ids: tuple[int, ...] = m.eos_token_ids
         self._ids = itertools.count()
         self._outputs: dict[str, RequestOutput] = {}
 
@@ -138,7 +143,7 @@ class LLMEngine:
         if not prompt:
             raise InvalidArgumentError("the prompt is empty")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self.scheduler.add_request(rid, prompt, sampling or SamplingParams())
+        self.scheduler.add_request(rid, prompt, (sampling or SamplingParams()).with_eos(self.eos_token_ids))
         return rid
 
     def has_unfinished_requests(self) -> bool:

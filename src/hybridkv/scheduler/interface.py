@@ -12,7 +12,7 @@ the sliding window / before the current chunk) and must never be read or written
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
 
 from hybridkv.errors import InvalidArgumentError
@@ -22,7 +22,14 @@ __all__ = ["SamplingParams", "ScheduledRequest", "SchedulerOutput", "ModelRunner
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick the next token. temperature 0 is greedy (argmax)."""
+    """How to pick the next token, and when to stop. temperature 0 is greedy (argmax).
+
+    A request ends after ``max_tokens`` tokens or at the first sampled token in
+    ``stop_token_ids`` (kept in the output, as vLLM and HF do). The scheduler knows no
+    model, so it stops only at ``stop_token_ids``; the engine adds the model's EOS ids
+    (:meth:`with_eos`) unless ``ignore_eos`` is set, which leaves ``stop_token_ids``
+    in force (vLLM's defaults and meaning).
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -30,7 +37,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = True
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -41,11 +48,22 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stop = tuple(self.stop_token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop):
+            raise InvalidArgumentError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stop)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def with_eos(self, eos_token_ids: Sequence[int]) -> "SamplingParams":
+        """These params with the model's EOS ids added to ``stop_token_ids`` (self if
+        ``ignore_eos`` or nothing to add)."""
+        extra = tuple(t for t in dict.fromkeys(eos_token_ids) if t not in self.stop_token_ids)
+        if self.ignore_eos or not extra:
+            return self
+        return replace(self, stop_token_ids=self.stop_token_ids + extra)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,16 +1,21 @@
-"""What every model family shares: config access, loading, the decoder loop, specs.
+"""What every model family shares: config access, loading, the decoder layer and loop, specs.
 
 A model is an ``nn.Module`` whose parameter names are the HF checkpoint names
 (``model.layers.3.self_attn.q_proj.weight``), so weights load by name. ``forward``
 runs a flat varlen batch (``T`` tokens of several sequences) through the decoder,
 each attention layer writing / reading the paged KV storage named by the
 :class:`~hybridkv.engine.attention.AttentionMetadata`.
+
+Every family's decoder layer is a :class:`DecoderLayer` (HF's pre-norm block, the
+row selection of the last layer, the residual adds); a family changes only its
+attention, its MLP (and the attribute name HF gives it) and, for Gemma 3's sandwich
+norms, the two residual branches.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -21,14 +26,17 @@ from hybridkv.core.specs import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
-from hybridkv.engine.attention import AttentionMetadata, AttentionType
+from hybridkv.engine.attention import FULL, AttentionMetadata, AttentionType
 from hybridkv.engine.kv_storage import torch_dtype
 from hybridkv.engine.models.linear import Linear
 from hybridkv.engine.models.rope import RotaryEmbedding
-from hybridkv.engine.models.weights import load_weights, read_config
+from hybridkv.engine.models.weights import eos_token_ids, load_weights, read_config
 from hybridkv.errors import InvalidConfigError
 
-__all__ = ["CausalLM", "require", "activation"]
+__all__ = ["CausalLM", "DecoderLayer", "DecoderStack", "RMSNorm", "Rope", "require", "activation", "attention_types"]
+
+#: rope name -> the rotary's per-step tables ((cos, sin), or cis for interleaved rotaries)
+Rope = dict[str, Any]
 
 
 def require(config: Mapping[str, Any], key: str) -> Any:
@@ -52,6 +60,119 @@ def activation(name: str):
     raise InvalidConfigError(f"unsupported activation {name!r}")
 
 
+#: HF ``layer_types`` name -> (our attention kind, the config field that gives its size)
+_LAYER_TYPES = {"sliding_attention": ("sliding", "sliding_window"), "chunked_attention": ("chunked", "attention_chunk_size")}
+
+
+def attention_types(
+    names: Sequence[str], num_layers: int, family: str, hint: str = "", **sizes: int | None
+) -> list[AttentionType]:
+    """HF ``layer_types`` -> one :class:`AttentionType` per layer.
+
+    ``sizes``: ``sliding_window=`` / ``attention_chunk_size=`` for the local kinds the
+    family has; a name whose field is not given is unsupported, a given ``None`` is
+    an error naming the field (``hint`` says why it may be missing).
+    """
+    if len(names) < num_layers:
+        raise InvalidConfigError(f"layer_types has {len(names)} entries for {num_layers} layers")
+    out = []
+    for i, name in enumerate(names[:num_layers]):
+        if name == "full_attention":
+            out.append(FULL)
+            continue
+        kind, field = _LAYER_TYPES.get(name, ("", ""))
+        if field not in sizes:
+            raise InvalidConfigError(f"layer {i}: unsupported {family} layer type {name!r}")
+        size = sizes[field]
+        if size is None:
+            raise InvalidConfigError(f"layer {i} is {name} but the config has no {field}{hint}")
+        out.append(AttentionType(kind, int(size)))
+    return out
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * w`` in fp32; ``unit_offset`` (Gemma) uses ``(1 + w)``."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and not self.unit_offset:  # one op; same values as below in fp32
+            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """HF's decoder layer: ``h + attn(input_layernorm(h))``, then ``h + mlp(post_attention_layernorm(h))``.
+
+    Submodule names are HF's: ``self_attn``, ``input_layernorm``,
+    ``post_attention_layernorm`` and the MLP under ``mlp_name`` (``"mlp"``; Llama 4
+    calls it ``"feed_forward"``). Subclasses change the residual branches through
+    :meth:`attn_branch` / :meth:`mlp_branch` (Gemma 3's sandwich norms).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        eps: float,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        mlp_name: str = "mlp",
+        unit_offset: bool = False,
+    ) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.add_module(mlp_name, mlp)
+        self.mlp_name = mlp_name
+        self.input_layernorm = RMSNorm(hidden, eps, unit_offset=unit_offset)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset=unit_offset)
+
+    @property
+    def ffn(self) -> nn.Module:
+        """The MLP, whatever HF names it."""
+        return self._modules[self.mlp_name]
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """h [T, hidden] -> [T, hidden]; with ``keep`` [N] (the last layer), [N, hidden] for those rows."""
+        a = self.self_attn(self.input_layernorm(h), positions, rope, meta, keep=keep)  # [T or N, hidden]
+        if keep is not None:  # only these rows go on (see CausalLM.forward)
+            h = h.index_select(0, keep)
+        h = self.attn_branch(a).add_(h)  # a fresh tensor: add in place (h + a, bit for bit)
+        return self.mlp_branch(h).add_(h)
+
+    def attn_branch(self, a: torch.Tensor) -> torch.Tensor:
+        """What the attention adds to the residual stream (its output); must return a fresh tensor."""
+        return a
+
+    def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
+        """What the MLP adds to the residual stream; must return a fresh tensor."""
+        return self.ffn(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    """HF's ``model.``: ``embed_tokens``, ``layers``, ``norm``."""
+
+    def __init__(self, vocab: int, hidden: int, layers: list[nn.Module], norm: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
 class CausalLM(nn.Module):
     """Base of the model families. Subclasses build ``self.model`` and ``self.lm_head``.
 
@@ -62,6 +183,8 @@ class CausalLM(nn.Module):
     #: HF ``architectures[0]`` values and ``model_type`` values this class loads
     architectures: ClassVar[tuple[str, ...]] = ()
     model_types: ClassVar[tuple[str, ...]] = ()
+    #: per layer, what :meth:`attention_type` returns (filled by the subclass)
+    _types: list[AttentionType]
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__()
@@ -78,6 +201,9 @@ class CausalLM(nn.Module):
             raise InvalidConfigError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
             )
+        #: the ids that end generation unless a request asks ``ignore_eos`` (see :func:`eos_token_ids`;
+        #: from_pretrained / from_config add generation_config.json's)
+        self.eos_token_ids: tuple[int, ...] = eos_token_ids(self.config)
         self.rotaries: dict[str, RotaryEmbedding] = {}
         self.model: nn.Module
         self.lm_head: nn.Linear
@@ -110,6 +236,7 @@ class CausalLM(nn.Module):
         prepack: bool = True,
     ) -> "CausalLM":
         """Build, load the weights, fuse q/k/v and gate/up; ``prepack``: see :meth:`prepack_weights`."""
+        eos = eos_token_ids(config, model_dir)  # a bad generation_config.json fails before the load
         with torch.device("meta"):
             model = cls(config)
         model = model.to_empty(device=device).to(torch_dtype(dtype))
@@ -120,6 +247,7 @@ class CausalLM(nn.Module):
         load_weights(model, model_dir, tied=tied)
         model.fuse_weights()
         model.prepack_weights(prepack)
+        model.eos_token_ids = eos
         return model.eval().requires_grad_(False)
 
     def _init_buffers(self) -> None:
@@ -138,11 +266,12 @@ class CausalLM(nn.Module):
                 module.fuse()
 
     def prepack_weights(self, enable: bool = True) -> None:
-        """Give every linear a oneDNN-prepacked copy of its weight (CPU fp32 only; else a no-op).
+        """Give every linear prepacked copies of its weight (CPU fp32 only; else a no-op).
 
-        See :mod:`hybridkv.engine.models.linear`: faster matmuls for one more copy of
-        the linear weights in memory. ``enable=False`` drops the copies (plain
-        ``F.linear``). Call it again after changing the weights.
+        See :mod:`hybridkv.engine.models.linear`: faster matmuls (a transposed copy for
+        decode-sized inputs, a oneDNN one for prefill) for two more copies of the linear
+        weights in memory. ``enable=False`` drops the copies (plain ``F.linear``). Call
+        it again after changing the weights.
         """
         for module in self.modules():
             if module is not self and callable(getattr(module, "prepack", None)):
@@ -176,8 +305,9 @@ class CausalLM(nn.Module):
 
     # ------------------------------------------------------ what the KV needs
     def attention_type(self, layer_idx: int) -> AttentionType:
-        """The attention type of ``layer_idx``; subclasses override."""
-        raise NotImplementedError
+        """The attention type of ``layer_idx``: ``self._types[layer_idx]``, which subclasses
+        fill (e.g. with :func:`attention_types`) or override this."""
+        return self._types[layer_idx]
 
     def layer_attention_types(self) -> list[tuple[str, int | None]]:
         """Per layer ``("full", None)``, ``("sliding", W)`` or ``("chunked", C)``."""

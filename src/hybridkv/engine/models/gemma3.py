@@ -22,11 +22,18 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-from torch import nn
 
-from hybridkv.engine.attention import FULL, AttentionMetadata, AttentionType
-from hybridkv.engine.models.base import CausalLM, require
-from hybridkv.engine.models.llama import DecoderStack, GatedMLP, LlamaAttention, RMSNorm, Rope
+from hybridkv.engine.attention import AttentionMetadata, AttentionType
+from hybridkv.engine.models.base import (
+    CausalLM,
+    DecoderLayer,
+    DecoderStack,
+    RMSNorm,
+    Rope,
+    attention_types,
+    require,
+)
+from hybridkv.engine.models.llama import GatedMLP, LlamaAttention
 from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half, rope_parameters
 from hybridkv.errors import InvalidConfigError
 
@@ -41,51 +48,36 @@ class Gemma3Attention(LlamaAttention):
         self.q_norm = RMSNorm(model.head_dim, model.eps, unit_offset=True)
         self.k_norm = RMSNorm(model.head_dim, model.eps, unit_offset=True)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: Rope,
-        meta: AttentionMetadata,
-        keep: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def qkv(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.project(x)
         q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope[self.rope_name]
-        q, k = apply_rotate_half(q, cos, sin), apply_rotate_half(k, cos, sin)
-        return self.attend(q, k, v, meta, keep=keep)
+        return apply_rotate_half(q, cos, sin), apply_rotate_half(k, cos, sin), v
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
+    """Sandwich norms: ``h + post_attention_layernorm(a)``, ``h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))``."""
+
     def __init__(self, model: "Gemma3ForCausalLM", layer_idx: int) -> None:
-        super().__init__()
         attn_type = model.attention_type(layer_idx)
         rope_name = "sliding_attention" if attn_type.kind == "sliding" else "full_attention"
         hidden, eps = model.hidden_size, model.eps
-        self.self_attn = Gemma3Attention(model, layer_idx, attn_type, rope_name)
-        self.mlp = GatedMLP(
+        mlp = GatedMLP(
             hidden,
             require(model.config, "intermediate_size"),
             model.config.get("hidden_activation") or model.config.get("hidden_act") or "gelu_pytorch_tanh",
         )
-        self.input_layernorm = RMSNorm(hidden, eps, unit_offset=True)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset=True)
+        super().__init__(hidden, eps, Gemma3Attention(model, layer_idx, attn_type, rope_name), mlp, unit_offset=True)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        positions: torch.Tensor,
-        rope: Rope,
-        meta: AttentionMetadata,
-        keep: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(h), positions, rope, meta, keep=keep)  # [T or N, hidden]
-        if keep is not None:  # only these rows go on (see CausalLM.forward)
-            h = h.index_select(0, keep)
-        h = h + self.post_attention_layernorm(a)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+    def attn_branch(self, a: torch.Tensor) -> torch.Tensor:
+        return self.post_attention_layernorm(a)
+
+    def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
+        return self.post_feedforward_layernorm(self.ffn(self.pre_feedforward_layernorm(h)))
 
 
 class Gemma3ForCausalLM(CausalLM):
@@ -125,20 +117,7 @@ class Gemma3ForCausalLM(CausalLM):
         if names is None:
             pattern = int(config.get("sliding_window_pattern", 6))
             names = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(self.num_layers)]
-        if len(names) < self.num_layers:
-            raise InvalidConfigError(f"layer_types has {len(names)} entries for {self.num_layers} layers")
-        out = []
-        for i, name in enumerate(names[: self.num_layers]):
-            if name == "sliding_attention":
-                out.append(AttentionType("sliding", int(require(config, "sliding_window"))))
-            elif name == "full_attention":
-                out.append(FULL)
-            else:
-                raise InvalidConfigError(f"layer {i}: unsupported Gemma 3 layer type {name!r}")
-        return out
-
-    def attention_type(self, layer_idx: int) -> AttentionType:
-        return self._types[layer_idx]
+        return attention_types(names, self.num_layers, "Gemma 3", sliding_window=config.get("sliding_window"))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight

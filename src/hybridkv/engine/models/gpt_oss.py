@@ -22,11 +22,10 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from hybridkv.engine.attention import FULL, AttentionMetadata, AttentionType
-from hybridkv.engine.models.base import CausalLM, require
-from hybridkv.engine.models.llama import DecoderStack, LlamaAttention, LlamaDecoderLayer, RMSNorm, Rope
-from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half, rope_parameters
-from hybridkv.errors import InvalidConfigError
+from hybridkv.engine.attention import AttentionType
+from hybridkv.engine.models.base import CausalLM, DecoderLayer, DecoderStack, RMSNorm, attention_types, require
+from hybridkv.engine.models.llama import LlamaAttention
+from hybridkv.engine.models.rope import RotaryEmbedding, rope_parameters
 
 __all__ = ["GptOssForCausalLM"]
 
@@ -46,19 +45,6 @@ class GptOssAttention(LlamaAttention):
         bias = bool(model.config.get("attention_bias", True))
         super().__init__(model, layer_idx, attn_type, qkv_bias=bias, o_bias=bias)
         self.sinks = nn.Parameter(torch.zeros(model.num_heads))  # [Hq]
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: Rope,
-        meta: AttentionMetadata,
-        keep: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        qk, v = self.project_qk_v(x)
-        cos, sin = rope[self.rope_name]
-        q, k = self.split_qk(apply_rotate_half(qk, cos, sin))
-        return self.attend(q, k, v, meta, sinks=self.sinks, keep=keep)
 
 
 class GptOssRouter(nn.Module):
@@ -121,7 +107,7 @@ class GptOssForCausalLM(CausalLM):
             rope_parameters({"rope_parameters": params}, 150000.0), self.head_dim, self.max_position_embeddings
         )
         layers = [
-            LlamaDecoderLayer(self, GptOssAttention(self, i, self._types[i]), GptOssMoE(self), self.eps)
+            DecoderLayer(self.hidden_size, self.eps, GptOssAttention(self, i, self._types[i]), GptOssMoE(self))
             for i in range(self.num_layers)
         ]
         self.model = DecoderStack(self.vocab_size, self.hidden_size, layers, RMSNorm(self.hidden_size, self.eps))
@@ -131,20 +117,4 @@ class GptOssForCausalLM(CausalLM):
         names = config.get("layer_types") or [
             "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(self.num_layers)
         ]
-        if len(names) < self.num_layers:
-            raise InvalidConfigError(f"layer_types has {len(names)} entries for {self.num_layers} layers")
-        out = []
-        for i, name in enumerate(names[: self.num_layers]):
-            if name == "sliding_attention":
-                window = config.get("sliding_window", 128)
-                if window is None:
-                    raise InvalidConfigError(f"layer {i} is sliding_attention but sliding_window is null")
-                out.append(AttentionType("sliding", int(window)))
-            elif name == "full_attention":
-                out.append(FULL)
-            else:
-                raise InvalidConfigError(f"layer {i}: unsupported GPT-OSS layer type {name!r}")
-        return out
-
-    def attention_type(self, layer_idx: int) -> AttentionType:
-        return self._types[layer_idx]
+        return attention_types(names, self.num_layers, "GPT-OSS", sliding_window=config.get("sliding_window", 128))

@@ -3,15 +3,27 @@
 * :func:`fuse_linears` - linears on the same input (q/k/v, gate/up) become one
   matmul; their parameters turn into views of the fused weight, so names,
   ``state_dict`` and memory stay as loaded.
-* :class:`PackedWeight` - on CPU in fp32, a copy of a weight reordered once for
-  oneDNN (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU backend
-  uses). ``F.linear`` goes to MKL, which repacks the weight on every call and, on
-  AMD CPUs, does not use its fastest kernels; the prepacked oneDNN matmul measured
-  1.3-1.5x faster for this engine's shapes (2048 x 256 x 1024 prefill, 32-row
-  decode). Results differ from ``F.linear`` by float rounding only (another
-  summation order; ~1e-6 relative). The copy costs one more weight's memory, and it
-  is used only while the weight is unchanged: a weight that was modified in place,
-  moved or cast falls back to ``F.linear`` (checked per call: identity, pointer, version).
+* :class:`PackedWeight` - on CPU in fp32, two copies of a weight laid out once for
+  faster GEMMs than ``F.linear``, which hands MKL the weight transposed ("NT") on
+  every call:
+
+  - up to :data:`SMALL_ROWS` input rows (decode steps): the weight transposed and
+    contiguous, ``[in, out]``, for a plain ``torch.mm`` / ``addmm`` ("NN"). Measured
+    on this project's 2-core Intel machine, single thread, 32 rows: 25-30 % faster
+    than ``F.linear`` and than oneDNN for the engine's four shapes (256 -> 384 / 256
+    / 1024, 512 -> 256), 15-20 % off a whole decode step of the benchmark model;
+    equal to them at 700-2048 rows;
+  - more rows (prefill): a oneDNN reorder (``torch.ops.mkldnn._reorder_linear_weight``,
+    what inductor's CPU backend uses), measured 1.3-1.5x faster than ``F.linear``
+    for 2048 x 256 x 1024 when it was introduced (MKL does not use its fastest
+    kernels on AMD CPUs); on par with both on the Intel machine above. Where the
+    build has no oneDNN, the transposed copy serves these rows too.
+
+  Results differ from ``F.linear`` by float rounding only (another summation order;
+  ~1e-6 relative). The copies cost two more weights' memory (the engine runs small
+  models on CPU), and they are used only while the weight is unchanged: a weight
+  that was modified in place, moved or cast falls back to ``F.linear`` (checked per
+  call: identity, pointer, version).
 """
 
 from __future__ import annotations
@@ -23,6 +35,9 @@ __all__ = ["Linear", "PackedWeight", "fuse_linears", "linear", "prepack_availabl
 
 _BATCH_HINT = 32  # rows oneDNN tunes the packing for; any row count works
 
+#: inputs of at most this many rows run on the transposed copy, larger ones on the oneDNN copy
+SMALL_ROWS = 64
+
 
 def prepack_available() -> bool:
     """Whether this torch build can prepack linear weights for oneDNN."""
@@ -30,35 +45,42 @@ def prepack_available() -> bool:
 
 
 class PackedWeight:
-    """A oneDNN-prepacked copy of a CPU fp32 weight [out, in], valid while the weight is unchanged.
+    """Copies of a CPU fp32 weight [out, in] laid out for fast GEMMs, valid while the weight is unchanged.
 
-    "Unchanged": the same tensor object (a moved / cast / replaced weight is another
-    one), the same storage (``.data`` not swapped) and no in-place write since
-    (``_version``, which views share with their base).
+    ``transposed``: ``[in, out]`` contiguous; ``packed``: the oneDNN reorder, or None
+    where this build has none. "Unchanged": the same tensor object (a moved / cast /
+    replaced weight is another one), the same storage (``.data`` not swapped) and no
+    in-place write since (``_version``, which views share with their base).
     """
 
-    __slots__ = ("packed", "_weight", "_ptr", "_version")
+    __slots__ = ("transposed", "packed", "_weight", "_ptr", "_version")
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, onednn: bool = True) -> None:
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
+            w = weight.detach()
+            self.transposed = w.t().contiguous()
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT) if onednn else None
         self._weight, self._ptr, self._version = weight, weight.data_ptr(), weight._version
 
     @classmethod
     def make(cls, weight: torch.Tensor | None) -> "PackedWeight | None":
-        """The packed copy, or None where it does not apply (not CPU fp32, no oneDNN, or the
-        private oneDNN ops of this torch build do not give ``F.linear``'s result on a probe)."""
-        if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32 or not prepack_available():
+        """The copies, or None where they do not apply (not a CPU fp32 weight). The oneDNN copy
+        is left out where the build lacks oneDNN or its private ops do not give ``F.linear``'s
+        result on a probe."""
+        if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
             return None
-        try:
-            packed = cls(weight)
-            probe = torch.linspace(-1.0, 1.0, 3 * weight.shape[1]).view(3, weight.shape[1])  # [3, in]
-            got = torch.ops.mkldnn._linear_pointwise(probe, packed.packed, None, "none", [], "")
-            want = nn.functional.linear(probe, weight.detach())
-        except (RuntimeError, TypeError, AttributeError):
-            return None
+        probe = torch.linspace(-1.0, 1.0, 3 * weight.shape[1]).view(3, weight.shape[1])  # [3, in]
+        want = nn.functional.linear(probe, weight.detach())
         scale = float(want.abs().max()) + 1.0
-        return packed if got.shape == want.shape and float((got - want).abs().max()) <= 1e-4 * scale else None
+        if prepack_available():
+            try:
+                packed = cls(weight)
+                got = torch.ops.mkldnn._linear_pointwise(probe, packed.packed, None, "none", [], "")
+                if got.shape == want.shape and float((got - want).abs().max()) <= 1e-4 * scale:
+                    return packed
+            except (RuntimeError, TypeError, AttributeError):
+                pass
+        return cls(weight, onednn=False)
 
     def valid_for(self, weight: torch.Tensor) -> bool:
         return weight is self._weight and weight._version == self._version and weight.data_ptr() == self._ptr
@@ -67,9 +89,13 @@ class PackedWeight:
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` [.., out], on the packed copy when it is current."""
+    """``x @ weight.T + bias`` [.., out], on a packed copy when it is current (see :class:`PackedWeight`)."""
     if packed is not None and x.dtype == torch.float32 and packed.valid_for(weight):
-        return torch.ops.mkldnn._linear_pointwise(x, packed.packed, bias, "none", [], "")
+        if x.dim() == 2 and (x.shape[0] <= SMALL_ROWS or packed.packed is None):
+            wt = packed.transposed
+            return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+        if packed.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed.packed, bias, "none", [], "")
     return nn.functional.linear(x, weight, bias)
 
 

@@ -16,33 +16,11 @@ import torch
 from torch import nn
 
 from hybridkv.engine.attention import FULL, AttentionMetadata, AttentionType, paged_attention
-from hybridkv.engine.models.base import CausalLM, activation, require
+from hybridkv.engine.models.base import CausalLM, DecoderLayer, DecoderStack, RMSNorm, Rope, activation, require
 from hybridkv.engine.models.linear import Linear, PackedWeight, fuse_linears, linear
 from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half, rope_parameters
 
-__all__ = ["RMSNorm", "GatedMLP", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "DecoderStack"]
-
-#: rope name -> the rotary's per-step tables ((cos, sin), or cis for interleaved rotaries)
-Rope = dict[str, Any]
-
-
-class RMSNorm(nn.Module):
-    """``x / rms(x) * w`` in fp32; ``unit_offset`` (Gemma) uses ``(1 + w)``."""
-
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.unit_offset = unit_offset
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and not self.unit_offset:  # one op; same values as below in fp32
-            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+__all__ = ["GatedMLP", "LlamaAttention", "LlamaForCausalLM"]
 
 
 class GatedMLP(nn.Module):
@@ -99,6 +77,7 @@ class LlamaAttention(nn.Module):
         self.register_buffer("qkv_weight", None, persistent=False)  # [(Hq + 2 Hkv) D, h] once fused
         self.register_buffer("qkv_bias", None, persistent=False)
         self.qkv_packed: PackedWeight | None = None
+        self.sinks: torch.Tensor | None = None  # [Hq] learned softmax sinks (GPT-OSS sets a parameter)
 
     def fuse(self) -> None:
         self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -130,11 +109,6 @@ class LlamaAttention(nn.Module):
         """[T, Hq + Hkv, D] -> q [T, Hq, D], k [T, Hkv, D]."""
         return qk[:, : self.num_heads], qk[:, self.num_heads :]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, **kw) -> torch.Tensor:
-        """Paged attention, then o_proj: -> [T, hidden] ([N, hidden] for the rows ``keep=`` names)."""
-        out = paged_attention(q, k, v, meta, self.layer_idx, self.attn_type, self.scale, **kw)  # [T or N, Hq, D]
-        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
-
     def forward(
         self,
         x: torch.Tensor,
@@ -143,45 +117,22 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden] ([N, hidden] for the rows ``keep`` names); writes this step's K/V."""
+        q, k, v = self.qkv(x, positions, rope, meta)
+        out = paged_attention(q, k, v, meta, self.layer_idx, self.attn_type, self.scale, sinks=self.sinks, keep=keep)
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))  # out: [T or N, Hq, D]
+
+    def qkv(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k / v [T, Hkv, D] as attention reads them: rotate-half RoPE on q and k.
+
+        Families with other norms / rotaries / query scaling override this.
+        """
         qk, v = self.project_qk_v(x)
         cos, sin = rope[self.rope_name]
         q, k = self.split_qk(apply_rotate_half(qk, cos, sin))
-        return self.attend(q, k, v, meta, keep=keep)
-
-
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention + pre-norm MLP, residual around each."""
-
-    def __init__(self, model: CausalLM, self_attn: nn.Module, mlp: nn.Module, eps: float) -> None:
-        super().__init__()
-        self.self_attn = self_attn
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(model.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(model.hidden_size, eps)
-
-    def forward(
-        self,
-        h: torch.Tensor,
-        positions: torch.Tensor,
-        rope: Rope,
-        meta: AttentionMetadata,
-        keep: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(h), positions, rope, meta, keep=keep)  # [T or N, hidden]
-        if keep is not None:  # only these rows go on (see CausalLM.forward)
-            h = h.index_select(0, keep)
-        h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class DecoderStack(nn.Module):
-    """HF's ``model.``: ``embed_tokens``, ``layers``, ``norm``."""
-
-    def __init__(self, vocab: int, hidden: int, layers: list[nn.Module], norm: nn.Module) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(layers)
-        self.norm = norm
+        return q, k, v
 
 
 class LlamaForCausalLM(CausalLM):
@@ -195,6 +146,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__(config)
         self.eps = float(config.get("rms_norm_eps", 1e-6))
+        self._types = self._layer_types(config)
         self.rotaries["default"] = RotaryEmbedding(
             rope_parameters(config, self.default_rope_theta), self.head_dim, self.max_position_embeddings
         )
@@ -202,8 +154,9 @@ class LlamaForCausalLM(CausalLM):
         self.model = DecoderStack(self.vocab_size, self.hidden_size, layers, RMSNorm(self.hidden_size, self.eps))
         self._build_head()
 
-    def attention_type(self, layer_idx: int) -> AttentionType:
-        return FULL
+    def _layer_types(self, config: Mapping[str, Any]) -> list[AttentionType]:
+        """Per layer attention (Llama: all full; Mistral / Qwen2 override)."""
+        return [FULL] * self.num_layers
 
     def _qkv_bias(self) -> tuple[bool, bool]:
         bias = bool(self.config.get("attention_bias", self.qkv_bias_default))
@@ -218,4 +171,4 @@ class LlamaForCausalLM(CausalLM):
             self.config.get("hidden_act", "silu"),
             bias=bool(self.config.get("mlp_bias", False)),
         )
-        return LlamaDecoderLayer(self, attn, mlp, self.eps)
+        return DecoderLayer(self.hidden_size, self.eps, attn, mlp)

@@ -24,9 +24,18 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from hybridkv.engine.attention import FULL, AttentionMetadata, AttentionType
-from hybridkv.engine.models.base import CausalLM, activation, require
-from hybridkv.engine.models.llama import DecoderStack, GatedMLP, LlamaAttention, RMSNorm, Rope
+from hybridkv.engine.attention import AttentionMetadata, AttentionType
+from hybridkv.engine.models.base import (
+    CausalLM,
+    DecoderLayer,
+    DecoderStack,
+    RMSNorm,
+    Rope,
+    activation,
+    attention_types,
+    require,
+)
+from hybridkv.engine.models.llama import GatedMLP, LlamaAttention
 from hybridkv.engine.models.rope import RotaryEmbedding, apply_interleaved, rope_parameters
 from hybridkv.errors import InvalidConfigError
 
@@ -53,14 +62,9 @@ class Llama4Attention(LlamaAttention):
         self.floor_scale = float(cfg.get("floor_scale", 8192))
         self.attn_scale = float(cfg.get("attn_scale", 0.1))
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: Rope,
-        meta: AttentionMetadata,
-        keep: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def qkv(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qk, v = self.project_qk_v(x)  # [T, Hq + Hkv, D], [T, Hkv, D]
         if self.use_rope:
             qk = apply_interleaved(qk, rope["default"])
@@ -69,7 +73,7 @@ class Llama4Attention(LlamaAttention):
         q, k = self.split_qk(qk)
         if self.temperature_tuning:
             q = (q * self._attn_scales(positions, meta)).to(q.dtype)  # [T, Hq, D] * [T, 1, 1]
-        return self.attend(q, k, v, meta, keep=keep)
+        return q, k, v
 
     def _attn_scales(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """[T, 1, 1]: ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``, once per step."""
@@ -118,33 +122,14 @@ class Llama4MoE(nn.Module):
         return out
 
 
-class Llama4DecoderLayer(nn.Module):
-    def __init__(self, model: "Llama4ForCausalLM", layer_idx: int) -> None:
-        super().__init__()
-        cfg = model.config
-        self.self_attn = Llama4Attention(model, layer_idx)
-        if layer_idx in model.moe_layers:
-            self.feed_forward: nn.Module = Llama4MoE(model)
-        else:
-            self.feed_forward = GatedMLP(
-                model.hidden_size, int(require(cfg, "intermediate_size_mlp")), cfg.get("hidden_act", "silu")
-            )
-        self.input_layernorm = RMSNorm(model.hidden_size, model.eps)
-        self.post_attention_layernorm = RMSNorm(model.hidden_size, model.eps)
-
-    def forward(
-        self,
-        h: torch.Tensor,
-        positions: torch.Tensor,
-        rope: Rope,
-        meta: AttentionMetadata,
-        keep: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(h), positions, rope, meta, keep=keep)  # [T or N, hidden]
-        if keep is not None:  # only these rows go on (see CausalLM.forward)
-            h = h.index_select(0, keep)
-        h = h + a
-        return h + self.feed_forward(self.post_attention_layernorm(h))
+def _decoder_layer(model: "Llama4ForCausalLM", layer_idx: int) -> DecoderLayer:
+    """Llama 4's layer: HF names the MLP ``feed_forward``; MoE on ``moe_layers``, else dense."""
+    cfg = model.config
+    if layer_idx in model.moe_layers:
+        ff: nn.Module = Llama4MoE(model)
+    else:
+        ff = GatedMLP(model.hidden_size, int(require(cfg, "intermediate_size_mlp")), cfg.get("hidden_act", "silu"))
+    return DecoderLayer(model.hidden_size, model.eps, Llama4Attention(model, layer_idx), ff, mlp_name="feed_forward")
 
 
 class Llama4ForCausalLM(CausalLM):
@@ -164,24 +149,12 @@ class Llama4ForCausalLM(CausalLM):
         names = config.get("layer_types") or [
             "chunked_attention" if use_rope and chunk is not None else "full_attention" for use_rope in self.no_rope_layers
         ]
-        if len(self.no_rope_layers) < n or len(names) < n:
-            raise InvalidConfigError(f"no_rope_layers / layer_types must have an entry for each of {n} layers")
-        self._types: list[AttentionType] = []
-        for i, name in enumerate(names[:n]):
-            if name == "chunked_attention":
-                if chunk is None:
-                    raise InvalidConfigError(f"layer {i} is chunked_attention but attention_chunk_size is null")
-                self._types.append(AttentionType("chunked", int(chunk)))
-            elif name == "full_attention":
-                self._types.append(FULL)
-            else:
-                raise InvalidConfigError(f"layer {i}: unsupported Llama 4 layer type {name!r}")
+        if len(self.no_rope_layers) < n:
+            raise InvalidConfigError(f"no_rope_layers has {len(self.no_rope_layers)} entries for {n} layers")
+        self._types = attention_types(names, n, "Llama 4", attention_chunk_size=chunk)
         self.rotaries["default"] = RotaryEmbedding(
             rope_parameters(config, 500000.0), self.head_dim, self.max_position_embeddings, interleaved=True
         )
-        layers = [Llama4DecoderLayer(self, i) for i in range(n)]
+        layers = [_decoder_layer(self, i) for i in range(n)]
         self.model = DecoderStack(self.vocab_size, self.hidden_size, layers, RMSNorm(self.hidden_size, self.eps))
         self._build_head()
-
-    def attention_type(self, layer_idx: int) -> AttentionType:
-        return self._types[layer_idx]

@@ -20,13 +20,9 @@ class MistralForCausalLM(LlamaForCausalLM):
     architectures = ("MistralForCausalLM",)
     model_types = ("mistral",)
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
+    def _layer_types(self, config: Mapping[str, Any]) -> list[AttentionType]:
         window = config.get("sliding_window")
-        self._attn = AttentionType("sliding", int(window)) if window is not None else FULL
-        super().__init__(config)
-
-    def attention_type(self, layer_idx: int) -> AttentionType:
-        return self._attn
+        return [AttentionType("sliding", int(window)) if window is not None else FULL] * self.num_layers
 
     def _qkv_bias(self) -> tuple[bool, bool]:
         return False, False

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from hybridkv.engine.attention import FULL, AttentionType
+from hybridkv.engine.attention import AttentionType
+from hybridkv.engine.models.base import attention_types
 from hybridkv.engine.models.llama import LlamaForCausalLM
-from hybridkv.errors import InvalidConfigError
 
 __all__ = ["Qwen2ForCausalLM", "sliding_layer_types"]
 
@@ -26,34 +26,16 @@ def sliding_layer_types(config: Mapping[str, Any], num_layers: int) -> list[Atte
         layer_types = [
             "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(num_layers)
         ]
-    if len(layer_types) < num_layers:
-        raise InvalidConfigError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
-    out = []
-    for i, kind in enumerate(layer_types[:num_layers]):
-        if kind == "full_attention":
-            out.append(FULL)
-        elif kind == "sliding_attention":
-            if window is None:
-                raise InvalidConfigError(
-                    f"layer {i} is sliding_attention but the config has no sliding window "
-                    "(Qwen2 honours sliding_window only with use_sliding_window=true)"
-                )
-            out.append(AttentionType("sliding", int(window)))
-        else:
-            raise InvalidConfigError(f"layer {i}: unsupported layer type {kind!r}")
-    return out
+    hint = " (Qwen2 honours sliding_window only with use_sliding_window=true)"
+    return attention_types(layer_types, num_layers, "Qwen2", hint=hint, sliding_window=window)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     architectures = ("Qwen2ForCausalLM",)
     model_types = ("qwen2",)
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
-        self._types = sliding_layer_types(config, int(config.get("num_hidden_layers") or 0))
-        super().__init__(config)
-
-    def attention_type(self, layer_idx: int) -> AttentionType:
-        return self._types[layer_idx]
+    def _layer_types(self, config: Mapping[str, Any]) -> list[AttentionType]:
+        return sliding_layer_types(config, self.num_layers)
 
     def _qkv_bias(self) -> tuple[bool, bool]:
         return True, False

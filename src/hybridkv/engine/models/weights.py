@@ -1,4 +1,4 @@
-"""Reading an HF checkpoint directory: ``config.json`` and safetensors weights.
+"""Reading an HF checkpoint directory: ``config.json``, the EOS ids, and safetensors weights.
 
 Weights are matched to a module's ``state_dict()`` by their HF names. Every tensor
 of the checkpoint must be used and every parameter must be found; anything else is
@@ -16,7 +16,7 @@ import torch
 
 from hybridkv.errors import InvalidConfigError, WeightLoadError
 
-__all__ = ["read_config", "checkpoint_files", "load_weights"]
+__all__ = ["read_config", "eos_token_ids", "checkpoint_files", "load_weights"]
 
 _MAX_LISTED = 12
 
@@ -34,6 +34,33 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise InvalidConfigError(f"{path}: expected a JSON object")
     return config
+
+
+def _token_ids(value: Any, where: str) -> list[int]:
+    """An ``eos_token_id`` value (null, an int or a list of ints) as a list."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise InvalidConfigError(f"{where}: eos_token_id must be a non-negative int or a list of them, got {value!r}")
+    return values
+
+
+def eos_token_ids(config: dict[str, Any], model_dir: str | Path | None = None) -> tuple[int, ...]:
+    """The model's end-of-sequence ids: ``config.json``'s ``eos_token_id`` (an int, a list or
+    null), then those of ``generation_config.json`` in ``model_dir`` if there is one (the
+    ids HF ``generate`` stops at; vLLM stops at both too), without repeats."""
+    ids = _token_ids(config.get("eos_token_id"), "config.json")
+    path = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            generation = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise InvalidConfigError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(generation, dict):
+            raise InvalidConfigError(f"{path}: expected a JSON object")
+        ids += _token_ids(generation.get("eos_token_id"), "generation_config.json")
+    return tuple(dict.fromkeys(ids))
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
