@@ -19,10 +19,14 @@ PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2, 3, 4, 20, 21, 22
 
 
 class HybridManagerMachine(RuleBasedStateMachine):
+    # chunked(CHUNK) twice, not adjacent: one manager, stripes of 2
+    SPECS = (full(BS), sliding(WINDOW, BS), chunked(CHUNK, BS), chunked(CHUNK2, BS), chunked(CHUNK, BS))
+    NUM_BLOCKS = 40
+
     def __init__(self):
         super().__init__()
-        specs = (full(BS), sliding(WINDOW, BS), chunked(CHUNK, BS), chunked(CHUNK2, BS), chunked(CHUNK, BS))
-        cfg = KVCacheConfig(40, tuple(KVCacheGroup(s) for s in specs))
+        specs = self.SPECS
+        cfg = KVCacheConfig(self.NUM_BLOCKS, tuple(KVCacheGroup(s) for s in specs))
         self.kv = KVCacheManager(cfg, CacheManagerConfig(max_model_len=64))
         self.waiting: dict[str, object] = {}
         self.running: dict[str, object] = {}
@@ -130,11 +134,26 @@ class HybridManagerMachine(RuleBasedStateMachine):
         for rid in list(self.running):
             self._free(rid)
         self.kv.check_invariants()
-        assert self.kv.num_free_blocks == 39
+        assert self.kv.num_free_blocks == self.NUM_BLOCKS - 1
         assert self.kv.usage == 0.0
 
 
 TestHybridManager = HybridManagerMachine.TestCase
 TestHybridManager.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+class MixedStripeWidthsMachine(HybridManagerMachine):
+    """Stripes of 3 (chunked) and 2 (sliding) beside plain full blocks, 7 blocks per
+    position in a pool of 48: entries of three widths are unmade and bound all the time."""
+
+    SPECS = (chunked(CHUNK2, BS), full(BS), sliding(WINDOW, BS), chunked(CHUNK2, BS), sliding(WINDOW, BS),
+             chunked(CHUNK2, BS), chunked(CHUNK, BS))
+    NUM_BLOCKS = 48
+
+
+TestMixedStripeWidths = MixedStripeWidthsMachine.TestCase
+TestMixedStripeWidths.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
