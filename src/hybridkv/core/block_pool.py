@@ -11,11 +11,12 @@ Life of a block::
 Block 0 is the *null block*: it stands in a block table for tokens no future token
 attends to. It is never in the free queue, never cached and never freed.
 
-Eviction order. The free queue is a doubly-linked list (CPython's ``OrderedDict``,
-implemented in C: O(1) append, pop from either end, and removal of any block).
-Blocks are taken from the head. A freed block that holds a cached prefix goes to
-the tail; a freed block with no hash is worth nothing and goes to the head, so a
-cached block is never evicted while an uncached free block exists. A request frees
+Eviction order. The free queue (:class:`FreeBlockQueue`, O(1) per operation) is
+an LRU of cached free blocks (CPython's ``OrderedDict``, a doubly-linked list in
+C) behind stacks of uncached ones; blocks are taken from its head. A freed block
+that holds a cached prefix goes to the LRU's tail; a freed block with no hash is
+worth nothing and goes to the head, so a cached block is never evicted while an
+uncached free block exists. A request frees
 its blocks tail-most first, so its deepest (least shareable) blocks are evicted
 first. Example: a request with blocks [5(cached) 6(cached) 7(partial)] freed onto
 the queue [3] gives [7, 3, 6, 5]: 7 is reused first, then 3, then 6 before 5.
@@ -27,8 +28,8 @@ they are allocated, cached, hit, touched and freed together. The pool lets such
 groups hold a *stripe*: k blocks that share one reference count, one free-queue
 entry and one prefix-cache entry, all kept on the stripe's *lead* (the block of
 the first group), which lists the members; the other members (*followers*) are
-reached only through it. A stripe costs one operation where k blocks would cost k. Stripes are made and
-unmade on allocation: a request of one group that pops a free stripe takes its
+reached only through it. A stripe costs one operation where k blocks would cost
+k. Stripes are made and unmade on allocation: a request of one group that pops a free stripe takes its
 members as plain blocks, a striped request that pops plain blocks binds k of them
 into a stripe. Counts are always in blocks (a free stripe of 3 is 3 free blocks).
 A fresh pool starts bound into stripes of the widest striped group, and free
