@@ -76,7 +76,6 @@ class KVCacheCoordinator:
         for m in self.managers:
             for j, gid in enumerate(m.group_ids):
                 self.group_slot[gid] = (m, j)
-        self._empty: PerGroup = tuple([] for _ in range(self.num_groups))
         # request id -> (its live id lists by group, the striped managers' states to sync)
         self._ids: dict[str, tuple[tuple[list[int], ...], list]] = {}
         self.striped_managers = [m for m in self.managers if m.width > 1]

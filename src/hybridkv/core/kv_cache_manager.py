@@ -317,17 +317,13 @@ class KVCacheManager:
                 )
         coord.check_invariants()
         # content: a cached block at index i of a request's table holds that request's block i
+        # (a stripe's hash is on its lead, in the manager's first group's table)
         for rid, request in self._live.items():
-            tables = coord.get_blocks(rid)
-            for gid, table in enumerate(tables):
-                m, j = coord.group_slot[gid]
-                leads = tables[m.group_ids[0]]  # a follower's hash is on its stripe's lead
-                for i, block in enumerate(table):
-                    key = leads[i].block_hash
-                    if j and not leads[i].is_null and (leads[i].stripe is None or leads[i].stripe[j] is not block):
-                        raise InvariantViolation(f"request {rid!r} group {gid}: block {block.block_id} at {i} "
-                                                 f"is not member {j} of stripe {leads[i].block_id}")
+            for m in coord.managers:
+                for i, block in enumerate(m.state(rid).blocks):
+                    key = block.block_hash
                     if key is not None and (i >= len(request.block_hashes) or key != request.block_hashes[i]):
                         raise InvariantViolation(
-                            f"request {rid!r} group {gid}: block {block.block_id} at {i} caches other content"
+                            f"request {rid!r} group {m.group_ids[0]}: block {block.block_id} at {i} "
+                            f"caches other content"
                         )

@@ -6,13 +6,13 @@ the manager does the arithmetic once, and its k groups hold *stripes* (see
 :mod:`hybridkv.core.block_pool`): at each position one lead block carries the
 reference count, the free-queue entry and the cache entry for all k blocks.
 Llama-4-Scout's three chunked groups cost one manager and one block operation
-per position, not three. The manager works on its first group's table (the
-leads); the other groups' tables hold the followers, kept only for the callers.
+per position, not three.
 
-Per request the manager keeps, for each of its groups, the block table (a list of
-blocks; the null block stands for skipped tokens) and, shared by all its groups,
-``num_cached`` (leading blocks that already have a content address) and
-``num_skipped`` (leading blocks that have been replaced by the null block).
+Per request the manager keeps one block table, its first group's (stripe leads;
+the null block stands for skipped tokens): the other groups' tables and block ids
+follow from the leads' members. Shared by all its groups: ``num_cached`` (leading
+blocks that already have a content address) and ``num_skipped`` (leading blocks
+that have been replaced by the null block).
 
 A subclass defines the attention type by two methods:
 
