@@ -81,6 +81,23 @@ def full_groups() -> tuple[GroupDesc, ...]:
     return (GroupDesc("full"),)
 
 
+def group_specs(tr: "TraceSpec", full, chunked, sliding, dtype) -> list:
+    """One spec per group of ``tr``, built with a library's spec classes (hybridkv's or
+    vLLM's: the same keyword names) and its dtype value."""
+    common = dict(block_size=tr.block_size, num_kv_heads=tr.num_kv_heads, head_size=tr.head_size, dtype=dtype)
+    specs = []
+    for g in tr.groups:
+        if g.kind == "full":
+            specs.append(full(**common))
+        elif g.kind == "chunked":
+            specs.append(chunked(attention_chunk_size=g.param, **common))
+        elif g.kind == "sliding":
+            specs.append(sliding(sliding_window=g.param, **common))
+        else:
+            raise ValueError(g.kind)
+    return specs
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     rid: str
@@ -508,19 +525,9 @@ class HybridLane:
         from hybridkv.core.kv_cache_manager import KVCacheManager
         from hybridkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
-        common = dict(block_size=tr.block_size, num_kv_heads=tr.num_kv_heads, head_size=tr.head_size, dtype="bfloat16")
-        groups = []
-        for i, g in enumerate(tr.groups):
-            if g.kind == "full":
-                spec = FullAttentionSpec(**common)
-            elif g.kind == "chunked":
-                spec = ChunkedLocalAttentionSpec(attention_chunk_size=g.param, **common)
-            elif g.kind == "sliding":
-                spec = SlidingWindowSpec(sliding_window=g.param, **common)
-            else:
-                raise ValueError(g.kind)
-            groups.append(KVCacheGroup(spec, (f"layers.{i}",)))
-        cfg = KVCacheConfig(num_blocks=tr.num_blocks, groups=tuple(groups))
+        specs = group_specs(tr, FullAttentionSpec, ChunkedLocalAttentionSpec, SlidingWindowSpec, "bfloat16")
+        groups = tuple(KVCacheGroup(spec, (f"layers.{i}",)) for i, spec in enumerate(specs))
+        cfg = KVCacheConfig(num_blocks=tr.num_blocks, groups=groups)
         self.kv = kv = KVCacheManager(
             cfg,
             CacheManagerConfig(max_model_len=tr.max_model_len, enable_caching=True, hash_algo=self.hash_algo,

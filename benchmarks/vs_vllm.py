@@ -96,6 +96,7 @@ from _traces import (  # noqa: E402
     HybridLane,
     NullLane,
     TraceSpec,
+    group_specs,
     make_fuzz_trace,
     make_trace,
     median,
@@ -129,19 +130,8 @@ class VllmLane:
         )
         from vllm.v1.request import Request
 
-        common = dict(block_size=tr.block_size, num_kv_heads=tr.num_kv_heads, head_size=tr.head_size,
-                      dtype=torch.bfloat16)
-        groups = []
-        for i, g in enumerate(tr.groups):
-            if g.kind == "full":
-                spec = FullAttentionSpec(**common)
-            elif g.kind == "chunked":
-                spec = ChunkedLocalAttentionSpec(attention_chunk_size=g.param, **common)
-            elif g.kind == "sliding":
-                spec = SlidingWindowSpec(sliding_window=g.param, **common)
-            else:
-                raise ValueError(g.kind)
-            groups.append(KVCacheGroupSpec([f"layers.{i}"], spec))
+        specs = group_specs(tr, FullAttentionSpec, ChunkedLocalAttentionSpec, SlidingWindowSpec, torch.bfloat16)
+        groups = [KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(specs)]
         cfg = KVCacheConfig(num_blocks=tr.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         hash_fn = get_hash_fn_by_name("sha256")
         init_none_hash(hash_fn)
