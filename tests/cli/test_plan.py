@@ -20,9 +20,9 @@ def test_llama4_scout_readme_job(capsys):
     assert lines[0] == "model       meta-llama/Llama-4-Scout-17B-16E (Llama4ForConditionalGeneration)"
     rows = {line.split("  ")[0]: line.split() for line in lines if line.startswith(("hybrid ", "full only"))}
     # hybrid: 80 GiB // (12 * 65536) = 109_226 blocks; full: 80 GiB // (48 * 65536) = 27_306
-    assert rows["hybrid"][1:] == ["4", "12", "768", "KiB", "109,226", "67,075", "1.63x", "1,722,976"]
+    assert rows["hybrid"][1:] == ["4", "12", "768", "KiB", "109,226", "67,456", "1.62x", "1,716,880"]
     assert rows["full only"][2:] == ["1", "48", "3", "MiB", "27,306", "65,536", "0.42x", "436,880"]
-    assert rows["hybrid / full"][-2:] == ["3.91x", "3.94x"]
+    assert rows["hybrid / full"][-2:] == ["3.89x", "3.93x"]
 
 
 def test_json_output(capsys):
@@ -31,7 +31,7 @@ def test_json_output(capsys):
     d = json.loads(out)
     # group size 10 -> 10 * 131072 bytes per block -> 80 GiB / 1_310_720 = 65_536 blocks
     assert (d["hybrid"]["group_size"], d["hybrid"]["num_groups"], d["hybrid"]["num_blocks"]) == (10, 7, 65_536)
-    assert d["hybrid"]["padding_bytes_per_request"] == 8 * 65 * 131072
+    assert d["hybrid"]["padding_bytes_per_request"] == 8 * 193 * 131072  # 1023 + 2048 tokens: 193 blocks
     assert d["full"]["num_blocks"] == 85_899_345_920 // (62 * 131072) == 10_570
 
 
@@ -55,7 +55,9 @@ def test_config_file_path(capsys, tmp_path):
     assert rc == 0 and d["max_model_len"] == 4096
     # page 2 * 16 * 2 * 128 * 2 = 16384; layers 0,1 full, 2,3 sliding: group size 2 -> 32768 per block
     assert (d["hybrid"]["group_size"], d["hybrid"]["num_blocks"]) == (2, 64 * 2**20 // 32768)
-    assert d["hybrid"]["blocks_per_request"] == 4096 // 16 + -(-(63 + 16) // 16)
+    assert d["hybrid"]["blocks_per_request"] == 4096 // 16 + (63 + 2048 - 1) // 16 + 2  # window + 2048 new
+    rc, out, _ = run(capsys, str(tmp_path), "--memory", "64MiB", "--json", "--max-num-batched-tokens", "1")
+    assert json.loads(out)["hybrid"]["blocks_per_request"] == 4096 // 16 + 5  # 63 + 1 tokens: <= 5 blocks
 
 
 @pytest.mark.parametrize(
@@ -111,5 +113,5 @@ def test_python_m_hybridkv_plan_llama4_scout():
     # defaults: 80 GiB, max model len = max_position_embeddings = 10_485_760 (10M) tokens
     assert "budget      80 GiB (85,899,345,920 bytes), max model len 10,485,760 tokens" in result.stdout
     hybrid = next(line for line in result.stdout.splitlines() if line.startswith("hybrid  "))
-    # 10M / 16 = 655_360 full blocks + 3 * 513 chunked = 656_899 blocks per request
-    assert hybrid.split()[6] == "656,899"
+    # 10M / 16 = 655_360 full blocks + 3 * 640 chunked = 657_280 blocks per request
+    assert hybrid.split()[6] == "657,280"

@@ -23,28 +23,34 @@ def test_page_size_counts_k_and_v():
 def test_full_memory_is_whole_context():
     spec = FullAttentionSpec(**SCOUT)
     assert spec.max_num_blocks(1_000_000) == 62500
-    assert spec.max_memory_usage_bytes(1_000_000) == 62500 * 65536
+    assert spec.max_num_blocks(1_000_000, 2048) == 62500
+    assert spec.max_memory_usage_bytes(1_000_000, 1) == 62500 * 65536
     assert spec.max_memory_usage_bytes(17) == 2 * 65536
 
 
-def test_chunked_memory_is_one_chunk_plus_a_block():
+def test_chunked_memory_is_one_chunk_plus_the_budget():
     spec = ChunkedLocalAttentionSpec(**SCOUT, attention_chunk_size=8192)
-    # min(8192 + 16, 1M) tokens = 513 blocks
-    assert spec.max_num_blocks(1_000_000) == 513
-    assert spec.max_memory_usage_bytes(1_000_000) == 513 * 65536
+    # 8191 tokens of the current chunk + 2048 new, from a block-aligned chunk start: 640 blocks
+    assert spec.max_num_blocks(1_000_000, 2048) == 640
+    assert spec.max_num_tokens(1_000_000, 2048) == 10239
+    assert spec.max_memory_usage_bytes(1_000_000, 2048) == 640 * 65536
     # shorter than a chunk: the context itself
-    assert spec.max_num_blocks(100) == 7
-    # chunk not a multiple of the block: 20 + 8 = 28 tokens -> 4 blocks
+    assert spec.max_num_blocks(100, 2048) == 7
+    # chunk not a multiple of the block: 19 + 8 tokens starting at offset 0 or 4 of a block of 8
     odd = ChunkedLocalAttentionSpec(block_size=8, num_kv_heads=1, head_size=1, attention_chunk_size=20)
-    assert odd.max_num_blocks(1000) == 4
+    assert odd.max_num_blocks(1000, 8) == 4
+    # no budget given: the whole request may be computed in one step
+    assert spec.max_num_blocks(1_000_000) == 62500
 
 
-def test_sliding_memory_is_window_minus_one_plus_a_block():
+def test_sliding_memory_is_window_minus_one_plus_the_budget():
     spec = SlidingWindowSpec(**SCOUT, sliding_window=1024)
-    # min(1023 + 16, L) = 1039 tokens -> 65 blocks
-    assert spec.max_num_blocks(131072) == 65
-    assert spec.max_memory_usage_bytes(131072) == 65 * 65536
-    assert spec.max_num_blocks(100) == 7
+    # 1023 + 1 tokens starting anywhere in a block -> 65 blocks; with a 1024 budget 129 (as vLLM)
+    assert spec.max_num_blocks(131072, 1) == 65
+    assert spec.max_num_blocks(131072, 1024) == 129
+    assert spec.max_memory_usage_bytes(131072, 1024) == 129 * 65536
+    assert spec.max_num_blocks(100, 1024) == 7
+    assert spec.attention_span == 1024 and FullAttentionSpec(**SCOUT).attention_span is None
 
 
 def test_type_id_separates_types_windows_and_chunks():

@@ -187,3 +187,24 @@ def test_stop_token_ids_hold_with_ignore_eos_and_generation_config_eos_counts(re
     sp = SamplingParams(max_tokens=NEW, stop_token_ids=(tokens[i],), ignore_eos=True)
     out = engine.generate([PROMPTS["C"]], sp)[0]
     assert list(out.output_token_ids) == tokens[: i + 1] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("arch", ["mistral", "llama4_dense", "gemma3"])
+def test_default_pool_holds_one_request_of_max_model_len_under_any_budget(arch, tiny_models):
+    """The engine's default pool, the planner's grouping and the scheduler's admission ask one
+    bound: with max_num_seqs 1 the pool is exactly one request (+ the null block), and a
+    max_model_len request runs in it at every budget and block size (the issue's case: a
+    40-token prompt on Mistral W 16 was refused by a default pool)."""
+    from hybridkv.engine.models import load_model
+
+    path, _ = tiny_models(arch)
+    model = load_model(path)
+    for block_size, budget in [(16, 2048), (16, 7), (5, 1), (1, 3), (8, 64), (3, 16)]:
+        cfg = EngineConfig(block_size=block_size, max_model_len=48, max_num_batched_tokens=budget, max_num_seqs=1)
+        engine = LLMEngine(model, cfg)
+        per_request = engine.scheduler.peak_blocks(48)
+        assert per_request == engine.grouping.blocks_per_request(48)
+        assert engine.kv_cache_config.num_blocks == per_request + 1
+        out = engine.generate([list(range(1, 41))], SamplingParams(max_tokens=8, ignore_eos=True))
+        assert len(out[0].output_token_ids) == 8 and out[0].num_preemptions == 0
+        engine.scheduler.check_invariants()

@@ -18,10 +18,11 @@ def test_llama4_scout_80gib_1m():
     # hybrid: 4 groups of 12 layers, page 65536 -> a block id costs 12 * 65536 bytes
     assert (h.grouping.group_size, h.grouping.num_groups, h.bytes_per_block) == (12, 4, 786_432)
     assert h.num_blocks == GiB80 // 786_432 == 109_226
-    assert h.blocks_per_request == M // 16 + 3 * 513 == 67_075  # full + 3 chunked groups of cdiv(8208, 16)
-    assert h.max_concurrency == pytest.approx((109_226 - 1) / 67_075)  # 1.628x
+    # full + 3 chunked groups of cdiv(8191 + 2048, 16) (a 2048-token prefill chunk on top of a chunk)
+    assert h.blocks_per_request == M // 16 + 3 * 640 == 67_456
+    assert h.max_concurrency == pytest.approx((109_226 - 1) / 67_456)  # 1.619x
     assert h.max_num_requests == 1
-    assert h.max_context_tokens == (109_225 - 3 * 513) * 16 == 1_722_976
+    assert h.max_context_tokens == (109_225 - 3 * 640) * 16 == 1_716_880
     # full fallback: 1 group of 48 -> 48 * 65536 bytes per block
     assert (f.grouping.group_size, f.grouping.num_groups, f.bytes_per_block) == (48, 1, 3_145_728)
     assert f.num_blocks == GiB80 // 3_145_728 == 27_306
@@ -29,10 +30,14 @@ def test_llama4_scout_80gib_1m():
     assert f.max_concurrency == pytest.approx(27_305 / 65_536)  # 0.417x: not even one 1M request
     assert f.max_num_requests == 0
     assert f.max_context_tokens == 27_305 * 16 == 436_880
-    # chunked layers hold ~8K tokens, not 1M: 36 of 48 layers nearly free -> about 4x
-    assert p.concurrency_ratio == pytest.approx((109_225 / 67_075) / (27_305 / 65_536))
+    # chunked layers hold ~10K tokens, not 1M: 36 of 48 layers nearly free -> about 4x
+    assert p.concurrency_ratio == pytest.approx((109_225 / 67_456) / (27_305 / 65_536))
     assert 3.85 < p.concurrency_ratio < 4.0
-    assert p.context_ratio == pytest.approx(1_722_976 / 436_880)
+    assert p.context_ratio == pytest.approx(1_716_880 / 436_880)
+    # decode-only scheduling (budget 1) holds one chunk: 512 blocks per chunked group
+    assert plan_model("llama4-scout", max_model_len="1M", max_num_batched_tokens=1).hybrid.blocks_per_request == (
+        M // 16 + 3 * 512
+    )
     assert p.layout is h and p.hybrid_enabled
 
 
@@ -42,14 +47,15 @@ def test_gemma3_27b_80gib_1m():
     # page 2 * 16 * 16 heads * 128 * 2 = 131072; group size 10 -> 1_310_720 bytes per block
     assert (h.grouping.group_size, h.grouping.num_groups, h.bytes_per_block) == (10, 7, 1_310_720)
     assert h.num_blocks == GiB80 // 1_310_720 == 65_536
-    assert h.blocks_per_request == 65_536 + 6 * 65 == 65_926  # full + 6 sliding groups of cdiv(1039, 16)
-    assert h.padding_bytes_per_request == 8 * 65 * 131072 == 68_157_440
-    assert h.max_num_requests == 0 and h.max_concurrency == pytest.approx(65_535 / 65_926)
-    assert h.max_context_tokens == (65_535 - 6 * 65) * 16 == 1_042_320
+    # full + 6 sliding groups of (1023 + 2048 - 1) // 16 + 2 = 193 (window + a prefill chunk)
+    assert h.blocks_per_request == 65_536 + 6 * 193 == 66_694
+    assert h.padding_bytes_per_request == 8 * 193 * 131072 == 202_375_168
+    assert h.max_num_requests == 0 and h.max_concurrency == pytest.approx(65_535 / 66_694)
+    assert h.max_context_tokens == (65_535 - 6 * 193) * 16 == 1_030_032
     assert f.bytes_per_block == 62 * 131072 == 8_126_464
     assert f.num_blocks == GiB80 // 8_126_464 == 10_570
     assert f.max_context_tokens == 10_569 * 16 == 169_104
-    assert p.concurrency_ratio == pytest.approx((65_535 / 65_926) / (10_569 / 65_536))  # 6.16x
+    assert p.concurrency_ratio == pytest.approx((65_535 / 66_694) / (10_569 / 65_536))  # 6.09x
 
 
 def test_mistral_7b_sliding_only_is_unbounded():
@@ -58,11 +64,11 @@ def test_mistral_7b_sliding_only_is_unbounded():
     h, f = p.hybrid, p.full
     assert h.bytes_per_block == f.bytes_per_block == 32 * 65536
     assert h.num_blocks == f.num_blocks == GiB80 // (32 * 65536) == 40_960
-    assert h.blocks_per_request == -(-(4095 + 16) // 16) == 257
+    assert h.blocks_per_request == (4095 + 2048 - 1) // 16 + 2 == 385
     assert h.max_context_tokens is None  # no layer grows past the window
     assert f.blocks_per_request == 32_768 // 16 == 2048
     assert f.max_context_tokens == 40_959 * 16 == 655_344
-    assert p.concurrency_ratio == pytest.approx(2048 / 257)
+    assert p.concurrency_ratio == pytest.approx(2048 / 385)
     assert p.context_ratio is None
 
 
@@ -72,11 +78,11 @@ def test_gpt_oss_20b_80gib_1m():
     # page 2 * 16 * 8 * 64 * 2 = 32768; 2 groups of 12
     assert (h.grouping.group_size, h.grouping.num_groups, h.bytes_per_block) == (12, 2, 393_216)
     assert h.num_blocks == GiB80 // 393_216 == 218_453
-    assert h.blocks_per_request == 65_536 + 9  # sliding: cdiv(127 + 16, 16) = 9
-    assert h.max_context_tokens == (218_452 - 9) * 16 == 3_495_088
+    assert h.blocks_per_request == 65_536 + 137  # sliding: (127 + 2048 - 1) // 16 + 2 = 137
+    assert h.max_context_tokens == (218_452 - 137) * 16 == 3_493_040
     assert f.num_blocks == GiB80 // (24 * 32768) == 109_226
     assert f.max_context_tokens == 109_225 * 16 == 1_747_600
-    assert p.concurrency_ratio == pytest.approx((218_452 / 65_545) / (109_225 / 65_536))  # ~2x
+    assert p.concurrency_ratio == pytest.approx((218_452 / 65_673) / (109_225 / 65_536))  # ~2x
 
 
 def test_llama_3_1_8b_hybrid_equals_full():
@@ -148,23 +154,29 @@ def test_bad_sizes():
 def test_max_context_is_the_last_length_that_fits():
     full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1)
     sw = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=1, sliding_window=100)
-    g = group_layers([full, sw], 10)
-    # sliding holds cdiv(min(99 + 16, L), 16) <= 8 blocks; with 20 usable: cdiv(L, 16) <= 12 -> L = 192
+    g = group_layers([full, sw], 10, max_num_batched_tokens=1)
+    # decode only: sliding holds 99 + 1 tokens from anywhere in a block <= 8 blocks;
+    # with 20 usable: cdiv(L, 16) <= 12 -> L = 192
     assert max_context_tokens(g, 20) == 192
     assert g.blocks_per_request(192) == 12 + 8 and g.blocks_per_request(193) == 13 + 8
+    # a 64-token budget: 99 + 64 tokens from anywhere in a block -> up to 12 sliding blocks, but
+    # never more than the request's own: L = 160 holds 10 + 10, L = 161 needs 11 + 11
+    g64 = group_layers([full, sw], 10, max_num_batched_tokens=64)
+    assert max_context_tokens(g64, 20) == 160 and g64.blocks_per_request(161) == 22
+    assert max_context_tokens(g64, 24) == 12 * 16 and g64.blocks_per_request(193) == 13 + 12
     assert max_context_tokens(g, 0) == 0
     assert max_context_tokens(g, 1) == 0  # one token needs a block in each of the 2 groups
     assert max_context_tokens(g, 2) == 16
-    only_sw = group_layers([sw, sw], 10)
+    only_sw = group_layers([sw, sw], 10, max_num_batched_tokens=1)
     assert max_context_tokens(only_sw, 8) is None  # 8 blocks hold any length
     assert max_context_tokens(only_sw, 7) == 7 * 16
 
 
 def test_plan_model_block_size_and_dtype():
     p = plan_model("llama4-scout", memory="80GiB", max_model_len="1M", block_size=32, dtype="fp8")
-    # page = 2 * 32 * 8 * 128 * 1 = 65536 again; full needs 1M / 32 = 32768, chunked cdiv(8192 + 32, 32) = 257
+    # page = 2 * 32 * 8 * 128 * 1 = 65536 again; full needs 1M / 32 = 32768, chunked cdiv(8191 + 2048, 32) = 320
     assert p.hybrid.bytes_per_block == 12 * 65536
-    assert p.hybrid.blocks_per_request == 32_768 + 3 * 257
+    assert p.hybrid.blocks_per_request == 32_768 + 3 * 320
 
 
 def test_core_manager_built_from_the_plan_holds_the_planned_requests():
@@ -175,10 +187,11 @@ def test_core_manager_built_from_the_plan_holds_the_planned_requests():
     cfg = {"architectures": ["Llama4ForCausalLM"], "num_hidden_layers": 8, "num_attention_heads": 2,
            "num_key_value_heads": 1, "head_dim": 4, "attention_chunk_size": 32}
     L = 256
-    p = plan_memory(model_layers(cfg), 60 * 2 * 256, L)  # 60 blocks of 2 layers * 256 bytes
+    # 60 blocks of 2 layers * 256 bytes; the scheduler prefills 16 tokens a step
+    p = plan_memory(model_layers(cfg), 60 * 2 * 256, L, max_num_batched_tokens=16)
     h = p.hybrid
     assert (h.grouping.group_size, h.num_blocks) == (2, 60)
-    assert h.blocks_per_request == 256 // 16 + 3 * -(-(32 + 16) // 16) == 25  # full 16 + 3 chunked groups of 3
+    assert h.blocks_per_request == 256 // 16 + 3 * -(-(31 + 16) // 16) == 25  # full 16 + 3 chunked groups of 3
     assert h.max_num_requests == 59 // 25 == 2
     assert p.full.num_blocks == 60 * 2 * 256 // (8 * 256) == 15 and p.full.max_num_requests == 0
 

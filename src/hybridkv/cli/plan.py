@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from hybridkv.planner.plan import plan_model
 from hybridkv.planner.presets import preset_names
 from hybridkv.planner.report import plan_to_dict, render_plan
@@ -37,6 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--max-model-len", default=None,
                         help="tokens per request, e.g. 1M, 128k, 32768 (default: the model's max_position_embeddings)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                        help="tokens the scheduler computes per step; a prefill chunk this long sits on top of a "
+                        f"window / chunk in the per-request bound (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     parser.add_argument("--dtype", default=None, help="KV cache dtype, e.g. bfloat16, fp8 (default: the config's)")
     parser.add_argument("--no-hybrid", action="store_true",
                         help="use the all-full-attention layout (hybrid KV cache management off)")
@@ -53,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         dtype=args.dtype,
         hybrid=not args.no_hybrid,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     if args.json:
         print(json.dumps(plan_to_dict(plan), indent=2))

@@ -15,7 +15,6 @@ import argparse
 import json
 from pathlib import Path
 
-from hybridkv.core.specs import ChunkedLocalAttentionSpec, SlidingWindowSpec
 from hybridkv.planner.plan import plan_model
 from hybridkv.planner.sizes import parse_tokens
 from hybridkv.scheduler.config import SchedulerConfig
@@ -52,8 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def _scale(model_specs) -> int:
     """The workload's document scale: the smallest chunk / window of the model (else 8192)."""
-    sizes = [s.attention_chunk_size for s in model_specs if isinstance(s, ChunkedLocalAttentionSpec)]
-    sizes += [s.sliding_window for s in model_specs if isinstance(s, SlidingWindowSpec)]
+    sizes = [s.attention_span for s in model_specs if s.attention_span is not None]
     return max(min(sizes), 256) if sizes else 8192
 
 
@@ -85,7 +83,8 @@ def render_results(title: str, results: list[SimulationResult]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     max_len = parse_tokens(args.max_model_len)
-    plan = plan_model(args.config, memory=args.memory, max_model_len=max_len, block_size=args.block_size)
+    plan = plan_model(args.config, memory=args.memory, max_model_len=max_len, block_size=args.block_size,
+                      max_num_batched_tokens=args.max_num_batched_tokens)
     if Path(args.workload).suffix == ".jsonl" or Path(args.workload).exists():
         trace = load_trace(args.workload)
         label = args.workload

@@ -21,7 +21,10 @@ from dataclasses import dataclass
 from hybridkv.core.specs import KVCacheSpec
 from hybridkv.errors import InvalidConfigError
 
-__all__ = ["KVCacheGroup", "KVCacheConfig", "CacheManagerConfig"]
+__all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "KVCacheGroup", "KVCacheConfig", "CacheManagerConfig"]
+
+#: tokens a scheduler computes per step unless told otherwise (the planner's default too)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,11 @@ class KVCacheConfig:
     @property
     def specs(self) -> tuple[KVCacheSpec, ...]:
         return tuple(g.spec for g in self.groups)
+
+    def max_blocks_per_request(self, num_tokens: int, max_num_batched_tokens: int | None = None) -> int:
+        """Most block ids one request of ``num_tokens`` holds at once, all groups together
+        (the sum of each spec's :meth:`~hybridkv.core.specs.KVCacheSpec.max_num_blocks`)."""
+        return sum(g.spec.max_num_blocks(num_tokens, max_num_batched_tokens) for g in self.groups)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,18 +4,31 @@ A spec is a frozen, slotted dataclass of plain ints and a dtype name. Layers wit
 equal specs can share one KV cache group. All arithmetic here is in tokens, blocks
 and bytes; nothing imports torch.
 
-Worked example (Llama-4-Scout, bf16, 8 KV heads of 128, block 16, chunk 8192)::
+The spec owns the one per-request block bound, :meth:`KVCacheSpec.max_num_blocks`:
+the most blocks one request of ``max_model_len`` tokens holds in this layer at any
+moment, when a scheduler computes at most ``max_num_batched_tokens`` tokens of it per
+step (chunked prefill). The planner, the engine's default pool and the scheduler's
+admission all ask it. During a prefill chunk a windowed layer holds the window it
+already had *and* the whole chunk before the tokens that fall out are freed, so the
+budget is part of the bound (as in vLLM's ``max_memory_usage_bytes``).
+
+Worked example (Llama-4-Scout, bf16, 8 KV heads of 128, block 16, chunk 8192,
+budget 2048)::
 
     page_size_bytes = 2 (K and V) * 16 tokens * 8 heads * 128 dims * 2 bytes = 65536
-    FullAttentionSpec.max_memory_usage_bytes(1_000_000)
-        = cdiv(1_000_000, 16) blocks * 65536 = 62500 * 65536
-    ChunkedLocalAttentionSpec(chunk 8192).max_memory_usage_bytes(1_000_000)
-        = cdiv(min(8192 + 16, 1_000_000), 16) blocks * 65536 = 513 * 65536
+    FullAttentionSpec.max_num_blocks(1_000_000, 2048) = cdiv(1_000_000, 16) = 62500
+    ChunkedLocalAttentionSpec(chunk 8192).max_num_blocks(1_000_000, 2048)
+        = up to 8191 computed tokens of the current chunk + 2048 new = 10239 tokens,
+          starting at a chunk start (a multiple of 16: aligned) -> cdiv(10239, 16) = 640
+    SlidingWindowSpec(window 1024).max_num_blocks(1_000_000, 1024)
+        = 1023 kept + 1024 new = 2047 tokens starting anywhere in a block
+          -> (2047 - 1) // 16 + 2 = 129
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd
 from typing import ClassVar, Iterable, TypeVar
 
 from hybridkv.errors import InvalidSpecError
@@ -24,6 +37,7 @@ __all__ = [
     "DTYPE_BYTES",
     "dtype_bytes",
     "cdiv",
+    "span_blocks",
     "KVCacheSpec",
     "FullAttentionSpec",
     "SlidingWindowSpec",
@@ -61,9 +75,29 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def span_blocks(num_tokens: int, block_size: int, alignment: int = 1) -> int:
+    """Most blocks ``num_tokens`` consecutive tokens can touch when their first token's
+    position is a multiple of ``alignment``.
+
+    The first token sits at offset ``r`` in its block, ``r`` a multiple of
+    ``g = gcd(alignment, block_size)``, so at most ``block_size - g``; the span then
+    touches ``(r + num_tokens - 1) // block_size + 1`` blocks. Block 16: 16 tokens touch
+    1 block when aligned to 16 (a chunk start of chunk 8192), 2 when they may start
+    anywhere (alignment 1: offset up to 15); 0 tokens touch none.
+    """
+    if num_tokens <= 0:
+        return 0
+    return (block_size - gcd(alignment, block_size) + num_tokens - 1) // block_size + 1
+
+
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidSpecError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_count(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidSpecError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 S = TypeVar("S", bound="KVCacheSpec")
@@ -100,19 +134,37 @@ class KVCacheSpec:
         """Equal for specs whose blocks are interchangeable (same type, window/chunk, page)."""
         return f"{self.kind}_{self.block_size}_{self.page_size_bytes}"
 
-    def max_num_tokens(self, max_model_len: int) -> int:
-        """Most tokens of one request this layer ever holds at once."""
+    @property
+    def attention_span(self) -> int | None:
+        """Most earlier tokens one token attends to (window / chunk); None: unbounded (full)."""
+        return None
+
+    def max_num_tokens(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
+        """Most tokens of one request this layer holds at once (see :meth:`max_num_blocks`)."""
         raise NotImplementedError
 
-    def max_num_blocks(self, max_model_len: int) -> int:
-        """Most blocks of one request this layer ever holds at once."""
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 0:
-            raise InvalidSpecError(f"max_model_len must be a non-negative int, got {max_model_len!r}")
-        return cdiv(self.max_num_tokens(max_model_len), self.block_size)
+    def _max_blocks(self, max_model_len: int, budget: int) -> int:
+        raise NotImplementedError
 
-    def max_memory_usage_bytes(self, max_model_len: int) -> int:
+    def max_num_blocks(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
+        """Most blocks one request of up to ``max_model_len`` tokens holds at once in this layer.
+
+        ``max_num_batched_tokens`` is the most tokens of the request computed in one
+        step (the scheduler's budget); None means no chunked prefill: the whole request
+        may be computed in one step. Null blocks are not counted. The one bound every
+        caller (planner, engine pool, scheduler admission) asks; never re-derive it.
+        """
+        _check_count("max_model_len", max_model_len, minimum=0)
+        if max_num_batched_tokens is None:
+            budget = max(max_model_len, 1)
+        else:
+            _check_count("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+            budget = max_num_batched_tokens
+        return min(cdiv(max_model_len, self.block_size), self._max_blocks(max_model_len, budget))
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
         """Upper bound of the bytes one request of ``max_model_len`` tokens needs in this layer."""
-        return self.max_num_blocks(max_model_len) * self.page_size_bytes
+        return self.max_num_blocks(max_model_len, max_num_batched_tokens) * self.page_size_bytes
 
     @classmethod
     def merge(cls: type[S], specs: Iterable[S]) -> S:
@@ -133,17 +185,22 @@ class FullAttentionSpec(KVCacheSpec):
 
     kind: ClassVar[str] = "full_attention"
 
-    def max_num_tokens(self, max_model_len: int) -> int:
+    def max_num_tokens(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
         return max_model_len
+
+    def _max_blocks(self, max_model_len: int, budget: int) -> int:
+        return cdiv(max_model_len, self.block_size)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SlidingWindowSpec(KVCacheSpec):
     """Token i attends to tokens (i - sliding_window, i].
 
-    The next token needs the previous ``sliding_window - 1`` tokens; they can straddle
-    one more block than they fill, hence ``sliding_window - 1 + block_size`` tokens:
-    window 1024, block 16 → min(1039, L) tokens → 65 blocks.
+    With ``n`` tokens computed, blocks wholly before ``n - W + 1`` are freed before a
+    step's ``b <= budget`` new tokens are allocated, so a request holds at most the
+    ``W - 1`` kept tokens plus ``budget`` new ones, starting anywhere in a block:
+    window 1024, block 16, budget 1024 → 2047 tokens → (2047 - 1) // 16 + 2 = 129
+    blocks (vLLM: cdiv(2047, 16) + 1 = 129); decode only (budget 1) → 65.
     """
 
     sliding_window: int
@@ -157,16 +214,28 @@ class SlidingWindowSpec(KVCacheSpec):
     def type_id(self) -> str:
         return f"sliding_window_{self.sliding_window}_{self.block_size}_{self.page_size_bytes}"
 
-    def max_num_tokens(self, max_model_len: int) -> int:
-        return min(self.sliding_window - 1 + self.block_size, max_model_len)
+    @property
+    def attention_span(self) -> int:
+        return self.sliding_window
+
+    def max_num_tokens(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
+        budget = max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
+        return min(self.sliding_window - 1 + budget, max_model_len)
+
+    def _max_blocks(self, max_model_len: int, budget: int) -> int:
+        return span_blocks(self.sliding_window - 1 + budget, self.block_size)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkedLocalAttentionSpec(KVCacheSpec):
     """Token i attends to tokens [floor(i / C) * C, i], C = attention_chunk_size.
 
-    A request holds at most one chunk plus the block that straddles its start:
-    chunk 8192, block 16 → min(8208, L) tokens → 513 blocks.
+    With ``n`` tokens computed, blocks wholly before the chunk start ``floor(n/C)*C``
+    are freed before a step's new tokens are allocated, so a request holds at most
+    ``C - 1`` tokens of the current chunk plus ``budget`` new ones, starting at a chunk
+    start (block-aligned when C is a multiple of the block): chunk 256, block 16,
+    budget 512 → 767 tokens → 48 blocks (vLLM: cdiv(256 + 512, 16) = 48); chunk 5,
+    block 4, budget 1 → 5 tokens from offset 0..3 (gcd 1) → 2 blocks.
     """
 
     attention_chunk_size: int
@@ -180,5 +249,13 @@ class ChunkedLocalAttentionSpec(KVCacheSpec):
     def type_id(self) -> str:
         return f"chunked_local_attention_{self.attention_chunk_size}_{self.block_size}_{self.page_size_bytes}"
 
-    def max_num_tokens(self, max_model_len: int) -> int:
-        return min(self.attention_chunk_size + self.block_size, max_model_len)
+    @property
+    def attention_span(self) -> int:
+        return self.attention_chunk_size
+
+    def max_num_tokens(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
+        budget = max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
+        return min(self.attention_chunk_size - 1 + budget, max_model_len)
+
+    def _max_blocks(self, max_model_len: int, budget: int) -> int:
+        return span_blocks(self.attention_chunk_size - 1 + budget, self.block_size, self.attention_chunk_size)

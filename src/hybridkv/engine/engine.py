@@ -85,7 +85,14 @@ class LLMEngine:
         m = self.model
         self.max_model_len = config.max_model_len or m.max_position_embeddings
         specs = m.kv_cache_specs(config.block_size, dtype=config.dtype)
-        self.grouping: Grouping = group_layers(specs, self.max_model_len, group_size=config.group_size)
+        memory = None if config.kv_cache_memory is None else parse_bytes(config.kv_cache_memory)
+        self.grouping: Grouping = group_layers(
+            specs,
+            self.max_model_len,
+            group_size=config.group_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            memory_bytes=memory,
+        )
         num_blocks = self._num_blocks()
         self.kv_cache_config = KVCacheConfig(
             num_blocks,
@@ -120,14 +127,17 @@ class LLMEngine:
         self._outputs: dict[str, RequestOutput] = {}
 
     def _num_blocks(self) -> int:
+        """The pool: as given, or what ``kv_cache_memory`` holds, or by default room for
+        ``max_num_seqs`` requests of ``max_model_len`` (the specs' one per-request bound at
+        this engine's ``max_num_batched_tokens``), capped at 1 GiB but never below one
+        whole request and the null block."""
         cfg = self.config
         if cfg.num_blocks is not None:
             return cfg.num_blocks
         if cfg.kv_cache_memory is None:
-            # enough for max_num_seqs requests of max_model_len at most, capped at 1 GiB
             per_request = self.grouping.blocks_per_request(self.max_model_len)
             cap = (1 << 30) // self.grouping.bytes_per_block
-            return max(2, min(cfg.max_num_seqs * per_request + 1, cap))
+            return max(per_request + 1, min(cfg.max_num_seqs * per_request + 1, cap))
         return parse_bytes(cfg.kv_cache_memory) // self.grouping.bytes_per_block
 
     # --------------------------------------------------------------- requests

@@ -17,24 +17,31 @@ The candidates run from the smallest type's layer count to the largest: below th
 smallest count, groups multiply with nothing to gain on an n:1 pattern (so the
 rarest type is always exactly one group). Among them we pick the size whose padding
 costs the fewest bytes for one request of ``max_model_len`` tokens: a padded slot
-costs ``spec.max_num_blocks(max_model_len)`` pages, so padding a full-attention group
-is expensive at long context and padding a sliding group is nearly free. Ties go to
-fewer groups, then the larger size. Minimising these bytes is the same as maximising
-the concurrency the pool gives.
+costs ``spec.max_num_blocks(max_model_len, max_num_batched_tokens)`` pages (the specs'
+one per-request bound), so padding a full-attention group is expensive at long context
+and padding a sliding group is nearly free. Every layout holds the same real pages per
+request, so fewer padding pages means more requests per byte. Two sizes can still pad
+equally: 3 full + 7 sliding (window 1024) layers at max_model_len 512, block 16, pad 2
+slots of 32 pages with size 3 (4 groups) and with size 4 (3 groups). Then the smaller
+size wins, because the null block (block 0, never usable) costs ``group_size`` pages:
+3002 pages hold (1000 - 1) / 128 = 7.805 requests with size 3, (750 - 1) / 96 = 7.802
+with size 4. When the budget is known (``memory_bytes``) the choice is made on the
+exact capacity (whole blocks, the null block taken out), ties as above.
 
 Worked example: Gemma 3 27B, 52 sliding (window 1024) + 10 full layers, block 16,
-max_model_len 1_048_576. Page = 2 * 16 tokens * 16 heads * 128 * 2 bytes = 131072 B.
-A sliding slot costs cdiv(min(1023 + 16, L), 16) = 65 pages, a full slot 65536 pages::
+max_model_len 1_048_576, budget 2048. Page = 2 * 16 tokens * 16 heads * 128 * 2 bytes
+= 131072 B. A sliding slot costs (1023 + 2048 - 1) // 16 + 2 = 193 pages, a full slot
+65536 pages::
 
     size  sliding groups  full groups  padded slots        padding pages per request
-    10    6 (60 slots)    1 (10)       8 sliding           8 * 65             =    520
-    11    5 (55)          1 (11)       3 sliding + 1 full  3 * 65 + 65536     = 65_731
+    10    6 (60 slots)    1 (10)       8 sliding           8 * 193            =  1_544
+    11    5 (55)          1 (11)       3 sliding + 1 full  3 * 193 + 65536    = 66_115
     13    4 (52)          1 (13)       3 full              3 * 65536          = 196_608
     26    2 (52)          1 (26)       16 full             16 * 65536         = 1_048_576
 
-Size 10 wins: 7 groups, 8 padded slots, 520 * 131072 = 68_157_440 bytes (65 MiB) of
-padding per request. (At max_model_len 1024 every slot costs 64 pages, and size 13,
-with 3 padded slots, would win instead.)
+Size 10 wins: 7 groups, 8 padded slots, 1544 * 131072 bytes (193 MiB) of padding per
+request. (At max_model_len 1024 every slot costs 64 pages, and size 13, with 3 padded
+slots, would win instead.)
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from hybridkv.core.specs import KVCacheSpec, cdiv
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 
@@ -73,11 +81,15 @@ class GroupSizeOption:
 
 @dataclass(frozen=True, slots=True)
 class Grouping:
-    """Layers arranged in groups of ``group_size`` slots, all with one per-layer page size."""
+    """Layers arranged in groups of ``group_size`` slots, all with one per-layer page size.
+
+    ``max_num_batched_tokens`` is the scheduler budget the per-request figures assume
+    (None: a whole request may be computed in one step)."""
 
     group_size: int
     page_size_bytes: int
     groups: tuple[LayerGroup, ...]
+    max_num_batched_tokens: int | None = None
 
     @property
     def num_layers(self) -> int:
@@ -98,11 +110,17 @@ class Grouping:
 
     def blocks_per_request(self, num_tokens: int) -> int:
         """Block ids one request of ``num_tokens`` holds at most: the sum over groups."""
-        return sum(g.spec.max_num_blocks(num_tokens) for g in self.groups)
+        return sum(g.spec.max_num_blocks(num_tokens, self.max_num_batched_tokens) for g in self.groups)
 
     def padding_bytes_per_request(self, num_tokens: int) -> int:
         """Bytes of padded slots among the blocks of one request of ``num_tokens``."""
-        return self.page_size_bytes * sum(g.padding * g.spec.max_num_blocks(num_tokens) for g in self.groups)
+        budget = self.max_num_batched_tokens
+        return self.page_size_bytes * sum(g.padding * g.spec.max_num_blocks(num_tokens, budget) for g in self.groups)
+
+    def max_concurrency(self, memory_bytes: int, num_tokens: int) -> float:
+        """Requests of ``num_tokens`` that ``memory_bytes`` holds at once (the null block taken out)."""
+        usable = max(memory_bytes // self.bytes_per_block - 1, 0)
+        return usable / max(self.blocks_per_request(num_tokens), 1)
 
     def position_layers(self, position: int) -> tuple[int | None, ...]:
         """For shared tensor ``position``: the layer of each group in it (None: padding)."""
@@ -133,7 +151,9 @@ def _by_type(specs: Sequence[KVCacheSpec]) -> list[tuple[KVCacheSpec, list[int]]
     return sorted(types.items(), key=lambda item: (item[0].kind != "full_attention", item[1][0]))
 
 
-def group_size_options(specs: Sequence[KVCacheSpec], max_model_len: int) -> list[GroupSizeOption]:
+def group_size_options(
+    specs: Sequence[KVCacheSpec], max_model_len: int, max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
+) -> list[GroupSizeOption]:
     """Every candidate group size (smallest type's count .. largest's), smallest first."""
     types = _by_type(specs)
     counts = [len(ix) for _, ix in types]
@@ -144,38 +164,64 @@ def group_size_options(specs: Sequence[KVCacheSpec], max_model_len: int) -> list
             k = cdiv(len(layers), size)
             groups += k
             pad_layers += k * size - len(layers)
-            pad_pages += (k * size - len(layers)) * spec.max_num_blocks(max_model_len)
+            pad_pages += (k * size - len(layers)) * spec.max_num_blocks(max_model_len, max_num_batched_tokens)
         options.append(GroupSizeOption(size, groups, pad_layers, pad_pages))
     return options
 
 
-def group_layers(specs: Sequence[KVCacheSpec], max_model_len: int, *, group_size: int | None = None) -> Grouping:
-    """Group the layers (``specs[i]`` is layer i) for requests of up to ``max_model_len`` tokens.
-
-    ``group_size`` forces a size (any positive int: a type of n layers then fills
-    ``cdiv(n, group_size)`` groups); by default the cheapest candidate is chosen as the
-    module docstring explains.
-
-    >>> from hybridkv.core.specs import FullAttentionSpec, ChunkedLocalAttentionSpec
-    >>> full = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128)
-    >>> local = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, attention_chunk_size=8192)
-    >>> g = group_layers([local, local, local, full] * 12, 1_048_576)
-    >>> g.group_size, g.num_groups, g.padding_layers, g.groups[1].layers[:3]
-    (12, 4, 0, (0, 4, 8))
-    """
-    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len <= 0:
-        raise InvalidArgumentError(f"max_model_len must be a positive int, got {max_model_len!r}")
-    types = _by_type(specs)
-    if group_size is None:
-        best = min(
-            group_size_options(specs, max_model_len),
-            key=lambda o: (o.padding_pages_per_request, o.num_groups, -o.group_size),
-        )
-        group_size = best.group_size
-    elif isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
-        raise InvalidArgumentError(f"group_size must be a positive int, got {group_size!r}")
+def _arrange(types: list[tuple[KVCacheSpec, list[int]]], group_size: int, budget: int | None) -> Grouping:
     groups = []
     for spec, layers in types:
         k = cdiv(len(layers), group_size)
         groups.extend(LayerGroup(spec, tuple(layers[i::k]), group_size) for i in range(k))
-    return Grouping(group_size, types[0][0].page_size_bytes, tuple(groups))
+    return Grouping(group_size, types[0][0].page_size_bytes, tuple(groups), budget)
+
+
+def group_layers(
+    specs: Sequence[KVCacheSpec],
+    max_model_len: int,
+    *,
+    group_size: int | None = None,
+    max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    memory_bytes: int | None = None,
+) -> Grouping:
+    """Group the layers (``specs[i]`` is layer i) for requests of up to ``max_model_len`` tokens.
+
+    ``group_size`` forces a size (any positive int: a type of n layers then fills
+    ``cdiv(n, group_size)`` groups); by default the candidate that holds the most
+    requests is chosen as the module docstring explains. ``max_num_batched_tokens`` is
+    the scheduler budget of the per-request bound (None: whole requests in one step);
+    ``memory_bytes``, when known, makes
+    the choice on exact capacity.
+
+    >>> from hybridkv.core.specs import FullAttentionSpec, ChunkedLocalAttentionSpec
+    >>> full = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128)
+    >>> local = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, attention_chunk_size=8192)
+    >>> g = group_layers([local, local, local, full] * 12, 1_048_576, max_num_batched_tokens=2048)
+    >>> g.group_size, g.num_groups, g.padding_layers, g.groups[1].layers[:3], g.blocks_per_request(1_048_576)
+    (12, 4, 0, (0, 4, 8), 67456)
+    """
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len <= 0:
+        raise InvalidArgumentError(f"max_model_len must be a positive int, got {max_model_len!r}")
+    for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("memory_bytes", memory_bytes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+    types = _by_type(specs)
+    budget = max_num_batched_tokens
+    if group_size is None:
+        options = group_size_options(specs, max_model_len, budget)
+        if memory_bytes is None:
+            best = min(options, key=lambda o: (o.padding_pages_per_request, o.group_size))
+        else:
+            best = max(
+                options,
+                key=lambda o: (
+                    _arrange(types, o.group_size, budget).max_concurrency(memory_bytes, max_model_len),
+                    -o.padding_pages_per_request,
+                    -o.group_size,
+                ),
+            )
+        group_size = best.group_size
+    elif isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise InvalidArgumentError(f"group_size must be a positive int, got {group_size!r}")
+    return _arrange(types, group_size, budget)

@@ -6,22 +6,25 @@ Block 0 is the null block (it never holds KV), so ``usable = num_blocks - 1`` is
 every capacity figure here divides: concurrency, requests, largest context. (vLLM's
 "Maximum concurrency" divides ``num_blocks``; the difference is one block.)
 
-A request of L tokens holds ``sum over groups of spec.max_num_blocks(L)`` block ids.
+A request of L tokens holds ``sum over groups of spec.max_num_blocks(L, budget)`` block
+ids, ``budget`` being the scheduler's ``max_num_batched_tokens`` (a prefill chunk of that
+many tokens is allocated before what it pushes out of a window or chunk is freed).
 The *full* layout is the fallback with hybrid management off: every layer is full
 attention, one group of all layers.
 
-Worked example: Llama-4-Scout, 80 GiB, 1M = 1_048_576 tokens, block 16, page 65536 B
-(2 * 16 tokens * 8 KV heads * 128 * 2 bytes)::
+Worked example: Llama-4-Scout, 80 GiB, 1M = 1_048_576 tokens, block 16, budget 2048,
+page 65536 B (2 * 16 tokens * 8 KV heads * 128 * 2 bytes)::
 
     hybrid: 4 groups of 12 (12 full, 3 x 12 chunked), bytes/block = 12 * 65536 = 786_432
             num_blocks = 85_899_345_920 // 786_432 = 109_226 (usable 109_225)
-            per request = 65_536 (full: 1_048_576 / 16) + 3 * 513 (chunked: cdiv(8192 + 16, 16))
-                        = 67_075 -> concurrency 109_225 / 67_075 = 1.628x
-            largest context: 3 * 513 + cdiv(L, 16) <= 109_225 -> L = 107_686 * 16 = 1_722_976
+            per request = 65_536 (full: 1_048_576 / 16)
+                          + 3 * 640 (chunked: cdiv(8191 + 2048, 16), chunk starts aligned)
+                        = 67_456 -> concurrency 109_225 / 67_456 = 1.619x
+            largest context: 3 * 640 + cdiv(L, 16) <= 109_225 -> L = 107_305 * 16 = 1_716_880
     full:   1 group of 48, bytes/block = 48 * 65536 = 3_145_728
             num_blocks = 85_899_345_920 // 3_145_728 = 27_306 (usable 27_305)
             per request = 65_536 -> concurrency 27_305 / 65_536 = 0.417x; largest 436_880
-    hybrid / full concurrency = 1.628 / 0.417 = 3.91 (36 of 48 layers hold ~8K tokens only)
+    hybrid / full concurrency = 1.619 / 0.417 = 3.89 (36 of 48 layers hold ~10K tokens only)
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridkv.core.config import KVCacheConfig, KVCacheGroup
+from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, KVCacheConfig, KVCacheGroup
 from hybridkv.core.specs import FullAttentionSpec
 from hybridkv.errors import InvalidArgumentError, PoolTooSmallError
 from hybridkv.planner.architectures import ModelLayers, layer_name, model_layers
@@ -151,13 +154,15 @@ def layout_plan(name: str, grouping: Grouping, memory_bytes: int, max_model_len:
     )
 
 
-def full_attention_grouping(model: ModelLayers, max_model_len: int) -> Grouping:
+def full_attention_grouping(
+    model: ModelLayers, max_model_len: int, max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
+) -> Grouping:
     """Hybrid off: every layer as full attention, one group of all the layers."""
     specs = [
         FullAttentionSpec(block_size=s.block_size, num_kv_heads=s.num_kv_heads, head_size=s.head_size, dtype=s.dtype)
         for s in model.specs
     ]
-    return group_layers(specs, max_model_len)
+    return group_layers(specs, max_model_len, max_num_batched_tokens=max_num_batched_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,17 +204,31 @@ class MemoryPlan:
         return h / f
 
 
-def plan_memory(model: ModelLayers, memory_bytes: int, max_model_len: int, *, hybrid: bool = True) -> MemoryPlan:
-    """Plan ``model`` into ``memory_bytes`` for requests of up to ``max_model_len`` tokens.
+def plan_memory(
+    model: ModelLayers,
+    memory_bytes: int,
+    max_model_len: int,
+    *,
+    hybrid: bool = True,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+) -> MemoryPlan:
+    """Plan ``model`` into ``memory_bytes`` for requests of up to ``max_model_len`` tokens,
+    computed at most ``max_num_batched_tokens`` a step.
 
     Raises :class:`PoolTooSmallError` when the layout in use gets fewer than 2 blocks
     (the null block and one usable); the other layout may hold nothing.
     """
-    for what, value in (("memory budget", memory_bytes), ("max_model_len", max_model_len)):
+    for what, value in (
+        ("memory budget", memory_bytes),
+        ("max_model_len", max_model_len),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise InvalidArgumentError(f"{what} must be a positive int, got {value!r}")
-    hybrid_plan = layout_plan("hybrid", group_layers(model.specs, max_model_len), memory_bytes, max_model_len)
-    full_plan = layout_plan("full", full_attention_grouping(model, max_model_len), memory_bytes, max_model_len)
+    budget = max_num_batched_tokens
+    grouping = group_layers(model.specs, max_model_len, max_num_batched_tokens=budget, memory_bytes=memory_bytes)
+    hybrid_plan = layout_plan("hybrid", grouping, memory_bytes, max_model_len)
+    full_plan = layout_plan("full", full_attention_grouping(model, max_model_len, budget), memory_bytes, max_model_len)
     result = MemoryPlan(model, memory_bytes, max_model_len, hybrid_plan, full_plan, hybrid)
     used = result.layout
     if used.num_blocks < 2:
@@ -228,14 +247,15 @@ def plan_model(
     block_size: int = 16,
     dtype: str | None = None,
     hybrid: bool = True,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> MemoryPlan:
     """Plan a preset name or ``config.json`` path; sizes may be strings ("80GiB", "1M").
 
     ``max_model_len`` None uses the config's ``max_position_embeddings``.
 
     >>> plan = plan_model("llama4-scout", memory="80GiB", max_model_len="1M")
-    >>> plan.hybrid.num_blocks, plan.full.num_blocks, round(plan.concurrency_ratio, 2)
-    (109226, 27306, 3.91)
+    >>> plan.hybrid.num_blocks, plan.full.num_blocks, plan.hybrid.blocks_per_request, round(plan.concurrency_ratio, 2)
+    (109226, 27306, 67456, 3.89)
     """
     memory_bytes = parse_bytes(memory)
     tokens = None if max_model_len is None else parse_tokens(max_model_len)
@@ -246,4 +266,4 @@ def plan_model(
         if model.max_position_embeddings is None:
             raise InvalidArgumentError(f"{loaded.label}: max_position_embeddings is null; give a max model length")
         tokens = model.max_position_embeddings
-    return plan_memory(model, memory_bytes, tokens, hybrid=hybrid)
+    return plan_memory(model, memory_bytes, tokens, hybrid=hybrid, max_num_batched_tokens=max_num_batched_tokens)

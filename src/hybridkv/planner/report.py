@@ -58,7 +58,8 @@ def _model_lines(plan: MemoryPlan) -> list[str]:
         f"kv cache    {m.num_kv_heads} KV heads x head_dim {m.head_dim}, {m.dtype}, "
         f"block size {m.block_size} -> {format_bytes(page)} per layer per block",
         f"budget      {format_bytes(plan.memory_bytes)} ({format_tokens(plan.memory_bytes)} bytes), "
-        f"max model len {format_tokens(plan.max_model_len)} tokens{max_pos}",
+        f"max model len {format_tokens(plan.max_model_len)} tokens{max_pos}, "
+        f"{format_tokens(plan.layout.grouping.max_num_batched_tokens)} tokens per step (max_num_batched_tokens)",
     ]
 
 
@@ -74,8 +75,8 @@ def _group_lines(layout: LayoutPlan) -> list[str]:
             _attention(grp.spec),
             str(len(grp.layers)),
             str(grp.padding),
-            format_tokens(grp.spec.max_num_blocks(layout.max_model_len)),
-            format_tokens(grp.spec.max_num_tokens(layout.max_model_len)),
+            format_tokens(grp.spec.max_num_blocks(layout.max_model_len, g.max_num_batched_tokens)),
+            format_tokens(grp.spec.max_num_tokens(layout.max_model_len, g.max_num_batched_tokens)),
             _layer_ids(grp.layers),
         ]
         for i, grp in enumerate(g.groups)
@@ -161,8 +162,8 @@ def _layout_dict(layout: LayoutPlan) -> dict[str, Any]:
                 "spec": _spec_dict(grp.spec),
                 "layers": list(grp.layers),
                 "padding": grp.padding,
-                "blocks_per_request": grp.spec.max_num_blocks(n),
-                "tokens_per_request": grp.spec.max_num_tokens(n),
+                "blocks_per_request": grp.spec.max_num_blocks(n, g.max_num_batched_tokens),
+                "tokens_per_request": grp.spec.max_num_tokens(n, g.max_num_batched_tokens),
             }
             for grp in g.groups
         ],
@@ -190,6 +191,7 @@ def plan_to_dict(plan: MemoryPlan) -> dict[str, Any]:
         },
         "memory_bytes": plan.memory_bytes,
         "max_model_len": plan.max_model_len,
+        "max_num_batched_tokens": plan.layout.grouping.max_num_batched_tokens,
         "hybrid_enabled": plan.hybrid_enabled,
         "layout_in_use": plan.layout.name,
         "hybrid": _layout_dict(plan.hybrid),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from hybridkv.errors import InvalidConfigError
 
 __all__ = ["SchedulerConfig"]
@@ -20,7 +21,7 @@ class SchedulerConfig:
     * ``max_model_len``: prompt + output tokens of one request at most.
     """
 
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 256
     max_model_len: int = 8192
 

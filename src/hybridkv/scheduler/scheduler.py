@@ -27,7 +27,6 @@ from collections import deque
 from typing import Sequence as Seq
 
 from hybridkv.core.kv_cache_manager import KVCacheManager
-from hybridkv.core.specs import ChunkedLocalAttentionSpec, SlidingWindowSpec, cdiv
 from hybridkv.errors import (
     DuplicateRequestError,
     InvalidArgumentError,
@@ -92,25 +91,12 @@ class Scheduler:
         return seq
 
     def peak_blocks(self, num_tokens: int) -> int:
-        """Most blocks one request of ``num_tokens`` tokens holds at once, all groups.
-
-        A prefill chunk of up to ``max_num_batched_tokens`` is allocated before the
-        tokens it pushes out of a window / chunk are freed, so a windowed group can
-        hold W - 1 + budget tokens (+ a straddling block). Example: Scout-shaped,
-        block 16, chunk 8192, budget 2048, 100k tokens: full 6250 + 3 × (cdiv(8192 +
-        2048, 16) + 1 = 641) = 8173 blocks.
+        """Most blocks one request of ``num_tokens`` tokens holds at once, all groups: the
+        specs' one bound at this scheduler's budget (a prefill chunk is allocated before the
+        tokens it pushes out of a window / chunk are freed). Scout-shaped, block 16, chunk
+        8192, budget 2048, 100k tokens: full 6250 + 3 × 640 = 8170 blocks.
         """
-        budget = self.config.max_num_batched_tokens
-        total = 0
-        for group in self.kv.kv_cache_config.groups:
-            spec = group.spec
-            blocks = cdiv(num_tokens, spec.block_size)
-            if isinstance(spec, SlidingWindowSpec):
-                blocks = min(blocks, cdiv(spec.sliding_window - 1 + budget, spec.block_size) + 1)
-            elif isinstance(spec, ChunkedLocalAttentionSpec):
-                blocks = min(blocks, cdiv(spec.attention_chunk_size + budget, spec.block_size) + 1)
-            total += blocks
-        return total
+        return self.kv.kv_cache_config.max_blocks_per_request(num_tokens, self.config.max_num_batched_tokens)
 
     def abort_request(self, request_id: str) -> None:
         seq = self.sequences.get(request_id)

@@ -1,0 +1,136 @@
+"""The one per-request block bound (``spec.max_num_blocks(L, budget)``) against the real manager.
+
+A request is driven through the manager the way a scheduler drives it (chunked prefill
+of at most ``budget`` tokens a step, then decode, optionally after a prefix hit) and the
+blocks it holds after every ``allocate_slots`` are counted: never above the bound, and
+the bound is reached by some schedule (it is the tight maximum, not a loose guess).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
+from hybridkv.core.kv_cache_manager import KVCacheManager
+from hybridkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec, span_blocks
+from hybridkv.errors import InvalidSpecError
+
+from tests.core.helpers import chunked, full, sliding
+
+SCOUT = dict(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
+
+
+def _held(kv: KVCacheManager, rid: str) -> int:
+    (ids,) = kv.get_block_ids(rid)
+    return sum(1 for b in ids if b != 0)
+
+
+def _drive(spec, length: int, steps: list[int], *, hit_prefix: int = 0) -> int:
+    """Blocks held at most while one ``length``-token request runs with ``steps`` new tokens per
+    step (the last step repeats). With ``hit_prefix``, an earlier request caches that prefix first."""
+    # without a warm prefix caching is off: a window of 1 would "hit" every token but the last
+    kv = KVCacheManager(
+        KVCacheConfig(4 * length + 8, (KVCacheGroup(spec),)),
+        CacheManagerConfig(max_model_len=length, enable_caching=bool(hit_prefix)),
+    )
+    prompt = list(range(1, length + 1))
+    if hit_prefix:
+        warm = kv.make_request("warm", prompt[:hit_prefix] + [0])
+        assert kv.allocate_slots(warm, warm.num_tokens) is not None
+        warm.num_computed_tokens = warm.num_tokens
+        kv.allocate_slots(warm, 0)  # cache the full blocks
+        kv.free(warm)
+    req = kv.make_request("r", prompt)
+    hit_blocks, n = kv.get_computed_blocks(req)
+    peak = 0
+    i = 0
+    first = True
+    while n < length:
+        k = min(steps[min(i, len(steps) - 1)], length - n)
+        i += 1
+        if first:
+            assert kv.allocate_slots(req, k, n, hit_blocks) is not None
+            first = False
+        else:
+            assert kv.allocate_slots(req, k) is not None
+        peak = max(peak, _held(kv, "r"))
+        n += k
+        req.num_computed_tokens = n
+        kv.check_invariants()
+    kv.free(req)
+    return peak
+
+
+def _worst_case(spec, length: int, budget: int) -> int:
+    """Max held over every point ``n`` at which a ``budget``-token step can start (1-token steps before)."""
+    return max(_drive(spec, length, [1] * n + [budget]) for n in range(0, length - budget + 1))
+
+
+SPECS = st.one_of(
+    st.builds(full, bs=st.integers(1, 6)),
+    st.builds(sliding, window=st.integers(1, 13), bs=st.integers(1, 6)),
+    st.builds(chunked, chunk=st.integers(1, 13), bs=st.integers(1, 6)),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(spec=SPECS, length=st.integers(1, 40), budget=st.integers(1, 12), data=st.data())
+def test_no_schedule_exceeds_the_bound(spec, length, budget, data):
+    steps = data.draw(st.lists(st.integers(1, budget), min_size=1, max_size=8))
+    hit_prefix = data.draw(st.integers(0, length - 1))
+    bound = spec.max_num_blocks(length, budget)
+    assert _drive(spec, length, steps) <= bound
+    assert _drive(spec, length, steps, hit_prefix=hit_prefix) <= bound
+
+
+@pytest.mark.parametrize("bs", [1, 3, 4])
+@pytest.mark.parametrize("budget", [1, 2, 7])
+@pytest.mark.parametrize("span", [1, 4, 6, 9])
+def test_the_bound_is_reached(bs, budget, span):
+    """Long enough requests reach the bound exactly: it is the worst case, not slack."""
+    length = 2 * (span + budget + 2 * bs)
+    for spec in (sliding(span, bs), chunked(span, bs), full(bs)):
+        assert _worst_case(spec, length, budget) == spec.max_num_blocks(length, budget), spec
+
+
+def test_worked_examples_match_vllm_where_vllm_is_exact():
+    # vLLM: sliding cdiv(W - 1 + budget, block) + 1; chunked cdiv(C + budget, block) (C a multiple of the block)
+    assert SlidingWindowSpec(**SCOUT, sliding_window=1024).max_num_blocks(131072, 1024) == 129
+    assert ChunkedLocalAttentionSpec(**SCOUT, attention_chunk_size=256).max_num_blocks(131072, 512) == 48
+    assert ChunkedLocalAttentionSpec(**SCOUT, attention_chunk_size=8192).max_num_blocks(1 << 20, 2048) == 640
+    assert ChunkedLocalAttentionSpec(**SCOUT, attention_chunk_size=8192).max_num_blocks(1 << 20, 8192) == 1024
+    # decode only: the window's 1023 tokens + the new one, from anywhere in a block
+    assert SlidingWindowSpec(**SCOUT, sliding_window=1024).max_num_blocks(131072, 1) == 65
+    assert ChunkedLocalAttentionSpec(**SCOUT, attention_chunk_size=8192).max_num_blocks(1 << 20, 1) == 512
+    # a chunk that is not a multiple of the block: chunk starts fall at offsets 0, 4 of a block of 8
+    odd = ChunkedLocalAttentionSpec(block_size=8, num_kv_heads=1, head_size=1, attention_chunk_size=20)
+    assert odd.max_num_blocks(1000, 8) == (4 + 19 + 8 - 1) // 8 + 1 == 4
+    # never more than the request's own blocks; no budget = whole request in one step
+    assert SlidingWindowSpec(**SCOUT, sliding_window=1024).max_num_blocks(100, 2048) == 7
+    assert SlidingWindowSpec(**SCOUT, sliding_window=1024).max_num_blocks(1 << 20) == 65536
+    assert FullAttentionSpec(**SCOUT).max_num_blocks(0, 4) == 0
+
+
+def test_span_blocks():
+    assert span_blocks(0, 16) == 0
+    assert span_blocks(16, 16, 16) == 1 and span_blocks(16, 16) == 2 and span_blocks(1, 16) == 1
+    assert span_blocks(25, 16, 16) == 2 and span_blocks(25, 16, 8) == 3 and span_blocks(17, 16, 4) == 2
+    rnd = random.Random(0)
+    for _ in range(500):  # brute force: every start offset a multiple of the alignment
+        n, bs, a = rnd.randint(1, 40), rnd.randint(1, 9), rnd.randint(1, 20)
+        worst = max((s + n - 1) // bs - s // bs + 1 for s in range(0, 4 * bs * a, a))
+        assert span_blocks(n, bs, a) == worst
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, None, "8"])
+def test_bad_budget_or_length(bad):
+    spec = SlidingWindowSpec(**SCOUT, sliding_window=1024)
+    with pytest.raises(InvalidSpecError):
+        spec.max_num_blocks(100, bad if bad is not None else 0)
+    if bad is not None:
+        with pytest.raises(InvalidSpecError):
+            spec.max_num_blocks(bad, 16)
