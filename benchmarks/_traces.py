@@ -338,6 +338,7 @@ class RunResult:
     finished: int = 0
     alloc_fail_admit: int = 0
     build_ns: int = 0  # request construction (prompt hashing), not in step_ns
+    hash_ns: int = 0  # sched lanes: prompt hashing in timed steps (part of step_ns)
     init_ns: int = 0  # manager construction
 
     @property
@@ -432,6 +433,8 @@ class Driver:
             if sched_mode:
                 for req in arrived:
                     hash_request(req)
+                if timed:
+                    res.hash_ns += perf() - t0
             lane.new_step()
             budget = budget0
             sched: list = []

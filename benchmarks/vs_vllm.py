@@ -451,6 +451,7 @@ def bench(traces, quick: bool, rounds: int, lanes=LANES):
         tr = make_trace(name, quick=quick)
         per = {k: [] for k in lanes}
         per_rs = {k: [] for k in lanes}
+        hash_us = {k: [] for k in lanes}
         ratios = {k: [] for k in kinds}
         ratios_x = []
         hits = {k: set() for k in lanes}
@@ -462,6 +463,7 @@ def bench(traces, quick: bool, rounds: int, lanes=LANES):
             res = {o.lane: o for o in run_interleaved([(tr, make_lane(k)) for k in order], SLICE)}
             for key, o in res.items():
                 per[key].append(o.us_per_step)
+                hash_us[key].append(o.hash_ns / max(1, len(o.step_ns)) / 1e3)
                 per_rs[key].append(o.us_per_req_step)
                 hits[key].add((o.hit_tokens, o.timed_hit_tokens))
             for k in kinds:
@@ -480,6 +482,7 @@ def bench(traces, quick: bool, rounds: int, lanes=LANES):
                 + "  ".join(f"{k or 'plain'} {ratios[k][-1]:.3f}" for k in kinds), flush=True)
         print(f"  [{name}] {time.perf_counter() - t_trace:.0f} s", flush=True)
         rows.append(dict(trace=name, desc=tr.description, shape=tr.shape, per=per, per_rs=per_rs, ratios=ratios,
+                         hash_us={k: median(v) for k, v in hash_us.items()},
                          ratios_x=ratios_x, hits=hits, null_us=null_ns / 1e3, kinds=kinds, **extra))
     return rows
 
@@ -526,6 +529,8 @@ def print_bench(rows, rounds):
         print(f"  {r['trace']}: {r['desc']}; rounds: " + "; ".join(
             f"{k or 'plain'} " + ", ".join(f"{x:.3f}" for x in r["ratios"][k]) for k in r["kinds"])
               + f"; us/req-step " + ", ".join(f"{k} {median(v):.2f}" for k, v in r["per_rs"].items())
+              + (f"; sched prompt hashing us/step hybridkv {r['hash_us']['hybridkv+sched']:.1f}, "
+                 f"vllm {r['hash_us']['vllm+sched']:.1f}" if "+sched" in r["kinds"] else "")
               + f"; driver {r['null_us']:.2f} us/req; preemptions {r['preempt']}; lookups {r['lookups']}; "
               f"request build (untimed in plain) {r['build_us'][0]:.0f} / {r['build_us'][1]:.0f} us; "
               f"init {r['init_s'][0]:.2f} / {r['init_s'][1]:.2f} s")

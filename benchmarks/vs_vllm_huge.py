@@ -17,8 +17,8 @@ nothing is evicted). B is built once and reused (``num_computed_tokens`` reset a
 hashing is timed once per round too ("hash", not in the total).
 
 Both managers are built side by side in one process; per round each runs ``--cycles``
-cycles in turn (the order flips every round) after a warm-up cycle; GC frozen after
-set-up. Printed per layout and length: ns per position (a position = one block of
+cycles, one cycle each in turn (the order flips every cycle), after a warm-up cycle;
+GC frozen after set-up. Printed per layout and length: ns per position (a position = one block of
 16 tokens of the prefix, i.e. prefix / 16) for each phase, and the ratio
 hybridkv / vLLM of lookup + adopt + ids + free per round (median and range).
 
@@ -28,7 +28,10 @@ hybridkv / vLLM of lookup + adopt + ids + free per round (median and range).
 
 ``--profile LAYOUT:LEN`` runs cProfile over the cycles of both managers instead and
 prints, per manager and phase, the functions with the most own time, as ns and calls
-per position. Layouts: full (1 full group), scout (1 full + 3 chunked 8192), gemma3
+per position (the profiler's per-call cost inflates code with many small calls, vLLM's
+more than ours). ``--breakdown LAYOUT:LEN`` wraps the managers' per-request functions
+with timers instead (no per-position overhead) and prints their inclusive ns per
+position, side by side. Layouts: full (1 full group), scout (1 full + 3 chunked 8192), gemma3
 (1 full + 6 sliding 1024); block 16.
 """
 
@@ -149,30 +152,36 @@ def measure(layout: str, length: int, rounds: int, cycles: int) -> dict:
     sides = sides_for(layout, length)
     positions = length // BLOCK
     per = {s.name: {p: [] for p in (*PHASES, "total", "hash")} for s in sides}
-    ratios = []
+    ratios, ratios_af = [], []
     gc.collect()
     gc.freeze()
     try:
         for s in sides:  # warm-up
             s.cycle(dict.fromkeys(PHASES, 0))
+        flip = False
         for r in range(rounds):
-            order = sides if r % 2 == 0 else sides[::-1]
-            tot = {}
-            for s in order:
-                acc = dict.fromkeys(PHASES, 0)
-                for _ in range(cycles):
-                    s.cycle(acc)
-                for p in PHASES:
-                    per[s.name][p].append(acc[p] / cycles / positions)
-                tot[s.name] = sum(acc.values()) / cycles / positions
-                per[s.name]["total"].append(tot[s.name])
+            acc = {s.name: dict.fromkeys(PHASES, 0) for s in sides}
+            for _ in range(cycles):  # one cycle each in turn, the order flipping every cycle
+                for s in (sides[::-1] if flip else sides):
+                    s.cycle(acc[s.name])
+                flip = not flip
+            for s in (sides[::-1] if flip else sides):
                 per[s.name]["hash"].append(s.time_hash() / positions)
-            ratios.append(tot["hybridkv"] / tot["vllm"])
+            flip = not flip
+            for name, a in acc.items():
+                for p in PHASES:
+                    per[name][p].append(a[p] / cycles / positions)
+                per[name]["total"].append(sum(a.values()) / cycles / positions)
+            h, v = acc["hybridkv"], acc["vllm"]
+            ratios.append(sum(h.values()) / sum(v.values()))
+            ratios_af.append((h["adopt"] + h["ids"] + h["free"]) / (v["adopt"] + v["ids"] + v["free"]))
     finally:
         gc.unfreeze()
-    print(f"  [{layout} {fmt_len(length)}] rounds: " + ", ".join(f"{x:.3f}" for x in ratios)
+    print(f"  [{layout} {fmt_len(length)}] rounds: total " + ", ".join(f"{x:.3f}" for x in ratios)
+          + "; adopt+ids+free " + ", ".join(f"{x:.3f}" for x in ratios_af)
           + f" ({time.perf_counter() - t_start:.0f} s)", flush=True)
-    return dict(layout=layout, length=length, per={k: _median_round(d) for k, d in per.items()}, ratios=ratios)
+    return dict(layout=layout, length=length, per={k: _median_round(d) for k, d in per.items()}, ratios=ratios,
+                ratios_af=ratios_af)
 
 
 def _median_round(series: dict[str, list[float]]) -> dict[str, float]:
@@ -188,9 +197,10 @@ def _median_round(series: dict[str, list[float]]) -> dict[str, float]:
 def print_table(rows, rounds: int, cycles: int) -> None:
     print()
     print(f"Huge cached prefix adopted and freed (ns per position = per block of {BLOCK} prefix tokens; the round "
-          f"with the median total of {rounds} rounds x {cycles} cycles, both managers in turn, order flipping)")
+          f"with the median total of {rounds} rounds x {cycles} cycles, one cycle each in turn, order flipping)")
     hdr = (f"{'layout':7} {'prefix':>6} | " + " ".join(f"{p + ' h/v':>13}" for p in PHASES)
-           + f" | {'total h/v':>13} {'ratio':>6} {'(range)':>11} | {'hash h/v':>13}")
+           + f" | {'total h/v':>13} {'ratio':>6} {'(range)':>11} | {'adopt+ids+free':>14} {'(range)':>11} | "
+           f"{'hash h/v':>13}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -198,10 +208,13 @@ def print_table(rows, rounds: int, cycles: int) -> None:
         cells = " ".join(f"{h[p]:>6.0f}/{v[p]:<6.0f}" for p in PHASES)
         print(f"{r['layout']:7} {fmt_len(r['length']):>6} | {cells} | {h['total']:>6.0f}/{v['total']:<6.0f} "
               f"{median(r['ratios']):>6.3f} {min(r['ratios']):>5.2f}-{max(r['ratios']):<5.2f} | "
+              f"{median(r['ratios_af']):>14.3f} {min(r['ratios_af']):>5.2f}-{max(r['ratios_af']):<5.2f} | "
               f"{h['hash']:>6.0f}/{v['hash']:<6.0f}")
     print()
-    print("h/v = hybridkv / vLLM ns per position; ratio = hybridkv / vLLM of lookup + adopt + ids + free per round "
-          "(median, range); hash = the prompt's block hashes (once per round, not in the total)")
+    print("h/v = hybridkv / vLLM ns per position (the round with the median total); ratio = hybridkv / vLLM of "
+          "lookup + adopt + ids + free per round (median, range); adopt+ids+free = the same without the lookup "
+          "(hybridkv keeps id lists as it adopts, vLLM builds them when asked: compare these three together); "
+          "hash = the prompt's block hashes (once per round, not in the total)")
 
 
 def profile(layout: str, length: int, cycles: int, top: int) -> None:
@@ -237,6 +250,120 @@ def profile(layout: str, length: int, cycles: int, top: int) -> None:
         gc.unfreeze()
 
 
+# Functions timed by --breakdown (called a few times per request, never per position, so
+# the timer costs nothing measurable); inclusive times: a function's callees are in it too.
+BREAKDOWN = {
+    "hybridkv": {
+        "hybridkv.core.kv_cache_manager": {"KVCacheManager": ("get_computed_blocks", "allocate_slots",
+                                                              "_remember_quiet", "free", "get_block_ids")},
+        "hybridkv.core.coordinator": {"KVCacheCoordinator": ("find_hit", "get_num_blocks_to_allocate",
+                                                             "save_new_computed_blocks", "allocate_new_blocks",
+                                                             "cache_blocks", "remove_skipped_blocks", "free")},
+        "hybridkv.core.managers.base": {"AttentionManager": ("_scan", "get_num_blocks_to_allocate",
+                                                             "save_new_computed_blocks", "allocate_new_blocks",
+                                                             "pop_blocks", "get_block_ids", "_sync")},
+        "hybridkv.core.block_pool": {"BlockPool": ("touch", "free_blocks", "get_new_blocks", "get_new_stripes")},
+    },
+    "vllm": {
+        "vllm.v1.core.kv_cache_manager": {"KVCacheManager": ("get_computed_blocks", "allocate_slots", "free",
+                                                             "get_block_ids"),
+                                          "KVCacheBlocks": ("get_block_ids",)},
+        "vllm.v1.core.kv_cache_coordinator": {"KVCacheCoordinator": ("get_num_blocks_to_allocate",
+                                                                     "allocate_new_computed_blocks",
+                                                                     "allocate_new_blocks", "cache_blocks",
+                                                                     "remove_skipped_blocks", "free"),
+                                              "HybridKVCacheCoordinator": ("find_longest_cache_hit",),
+                                              "UnitaryKVCacheCoordinator": ("find_longest_cache_hit",)},
+        "vllm.v1.core.single_type_kv_cache_manager": {
+            "SingleTypeKVCacheManager": ("get_num_blocks_to_allocate", "add_local_computed_blocks",
+                                         "allocate_new_blocks", "pop_blocks_for_free", "free"),
+            "FullAttentionManager": ("find_longest_cache_hit",),
+            "SlidingWindowManager": ("find_longest_cache_hit",),
+            "ChunkedLocalAttentionManager": ("find_longest_cache_hit",)},
+        "vllm.v1.core.block_pool": {"BlockPool": ("touch", "free_blocks", "get_new_blocks")},
+    },
+}
+
+
+def _install_timers(spec: dict, acc: dict) -> list:
+    """Wrap the listed methods with inclusive timers; returns what to restore."""
+    import functools
+    import importlib
+
+    undo = []
+    for modname, classes in spec.items():
+        mod = importlib.import_module(modname)
+        for clsname, names in classes.items():
+            cls = getattr(mod, clsname, None)
+            for name in names:
+                raw = cls.__dict__.get(name) if cls is not None else None
+                if raw is None:
+                    continue
+                is_cm = isinstance(raw, classmethod)
+                fn = raw.__func__ if is_cm else raw
+                key = f"{clsname}.{name}"
+                cell = acc.setdefault(key, [0, 0])
+
+                def timed(*a, __fn=fn, __cell=cell, **k):
+                    t = time.perf_counter_ns()
+                    try:
+                        return __fn(*a, **k)
+                    finally:
+                        __cell[0] += time.perf_counter_ns() - t
+                        __cell[1] += 1
+
+                functools.update_wrapper(timed, fn)
+                setattr(cls, name, classmethod(timed) if is_cm else timed)
+                undo.append((cls, name, raw))
+    return undo
+
+
+def breakdown(layout: str, length: int, rounds: int, cycles: int) -> None:
+    """Inclusive time of the managers' per-request functions, ns per position, both sides
+    side by side (one cycle each in turn, order flipping), median over rounds."""
+    sides = sides_for(layout, length)
+    positions = length // BLOCK
+    accs = {s.name: {} for s in sides}
+    per = {s.name: {} for s in sides}
+    phases = {s.name: {p: [] for p in PHASES} for s in sides}
+    undo = []
+    for s in sides:
+        undo += _install_timers(BREAKDOWN[s.name], accs[s.name])
+    gc.collect()
+    gc.freeze()
+    try:
+        for s in sides:
+            s.cycle(dict.fromkeys(PHASES, 0))
+        flip = False
+        for _ in range(rounds):
+            for acc in accs.values():
+                for cell in acc.values():
+                    cell[0] = cell[1] = 0
+            ph = {s.name: dict.fromkeys(PHASES, 0) for s in sides}
+            for _ in range(cycles):
+                for s in (sides[::-1] if flip else sides):
+                    s.cycle(ph[s.name])
+                flip = not flip
+            for name, acc in accs.items():
+                for key, (ns, n) in acc.items():
+                    per[name].setdefault(key, []).append((ns / cycles / positions, n / cycles))
+                for p in PHASES:
+                    phases[name][p].append(ph[name][p] / cycles / positions)
+    finally:
+        gc.unfreeze()
+        for cls, name, raw in reversed(undo):
+            setattr(cls, name, raw)
+    print(f"\nbreakdown, {layout} {fmt_len(length)} ({positions} positions), {rounds} rounds x {cycles} cycles, "
+          f"one cycle each in turn; inclusive ns per position (median over rounds), calls per cycle")
+    for name in per:
+        print(f"\n  {name}: " + ", ".join(f"{p} {median(v):.0f}" for p, v in phases[name].items()) + " ns/position")
+        rows = sorted(per[name].items(), key=lambda kv: -median([x[0] for x in kv[1]]))
+        for key, xs in rows:
+            ns = median([x[0] for x in xs])
+            if xs[0][1]:
+                print(f"    {ns:8.1f} ns/pos  {xs[0][1]:5.1f} calls/cycle  {key}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="256k tokens only, 3 rounds x 2 cycles")
@@ -246,6 +373,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cycles", type=int, default=None, help="cycles per manager per round (default 3, --quick 2)")
     ap.add_argument("--profile", metavar="LAYOUT:LEN", help="cProfile one layout and length instead of timing")
     ap.add_argument("--top", type=int, default=12, help="functions shown per phase with --profile")
+    ap.add_argument("--breakdown", metavar="LAYOUT:LEN",
+                    help="inclusive time of each manager function (timers, no profiler), instead of timing")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     _import_vllm()
@@ -254,6 +383,10 @@ def main(argv=None) -> int:
     print(f"vLLM {vllm.__version__} imported in {time.perf_counter() - t0:.1f} s; python {sys.version.split()[0]}; "
           f"hybridkv from {os.path.dirname(__import__('hybridkv').__file__)}")
     cycles = args.cycles or (2 if args.quick else 3)
+    if args.breakdown:
+        layout, _, length = args.breakdown.partition(":")
+        breakdown(layout, parse_len(length or "1M"), args.rounds or 3, cycles)
+        return 0
     if args.profile:
         layout, _, length = args.profile.partition(":")
         profile(layout, parse_len(length or "1M"), cycles, args.top)
