@@ -1,6 +1,7 @@
 """Generation throughput: LLMEngine vs transformers ``generate``, 32 concurrent requests.
 
-    python3 benchmarks/bench_engine.py [--quick] [--rounds N] [--threads N] [--workloads padded,equal] [--hf-attn both|sdpa|eager]
+    python3 benchmarks/bench_engine.py [--quick] [--rounds N] [--threads N] [--workloads padded,equal]
+                                       [--hf-attn both|sdpa|eager]
 
 The model is a tiny random ``Llama4ForCausalLM`` built here (no downloads): fp32,
 hidden 256, 8 layers (6 chunked-local RoPE layers with chunk 64, 2 NoPE full

@@ -5,7 +5,10 @@ by side: 10 scheduling steps of one, then 10 of the other (A B B A A B ...; the
 order flips every slice and every round) so load on this shared machine cancels.
 Prints, per trace, µs per scheduling step for each manager, the ratio
 hybridkv / vLLM (median over rounds) and the prefix-cache hit tokens of each
-(they must be equal: same semantics). Then a step-by-step semantics check
+(they must be equal: same semantics), in two lanes side by side: *plain* (the
+manager calls) and *sched* (the managers used as vLLM's scheduler uses them:
+prompt hashing of arriving requests timed, the new block ids of each running
+request and the whole table of each admitted one read; see ``_traces.py``). Then a step-by-step semantics check
 (untimed) of every trace in both free-queue modes, and optionally a randomised
 differential fuzz on tiny configs.
 
