@@ -26,6 +26,19 @@ starts, and every token is generated up front by the trace. No manager-specific
 code is in the driver: a lane gives bound methods (``lookup``, ``alloc``, ``free``,
 ``new_step``) and, per request, its ``append`` method.
 
+A lane built with ``sched=True`` is used the way vLLM's scheduler uses its manager
+(``vllm/v1/core/sched/scheduler.py``, 0.33), and the driver then also times:
+
+* prompt hashing: the lane's ``make_request`` returns a request without block
+  hashes and the step starts by hashing the prompts of the requests that arrived
+  (``hash_request``; vLLM does it in ``Request.__init__`` via ``block_hasher``, in
+  the engine core, before ``schedule()``). A preempted request keeps its hashes in
+  vLLM, so its rebuild here is hashed untimed;
+* block ids read: after each running request's ``allocate_slots`` its *new* ids
+  (``new_ids(new_blocks)``: vLLM's ``CachedRequestData.new_block_ids``), after each
+  admission the request's *whole* table (``table_ids(request_id)``: vLLM's
+  ``NewRequestData.block_ids``, from ``kv_cache_manager.get_blocks(id)``).
+
 A request that is preempted restarts from scratch (``num_computed_tokens = 0``)
 with its prompt plus the tokens it has generated, like vLLM's scheduler.
 """
@@ -296,7 +309,7 @@ def make_fuzz_trace(seed: int, contiguous: bool = True) -> TraceSpec:
 
 # ------------------------------------------------------------------------ driver
 class ReqState:
-    __slots__ = ("spec", "req", "append", "computed", "total", "out_idx", "tokens")
+    __slots__ = ("spec", "req", "append", "computed", "total", "out_idx", "tokens", "rebuilt")
 
     def __init__(self, spec: RequestSpec):
         self.spec = spec
@@ -306,6 +319,7 @@ class ReqState:
         self.total = len(spec.prompt)
         self.out_idx = 0
         self.tokens = spec.prompt  # tokens a (re)built request starts with
+        self.rebuilt = False  # preempted: rebuilt from its tokens (vLLM would keep its hashes)
 
 
 @dataclass
@@ -324,6 +338,7 @@ class RunResult:
     finished: int = 0
     alloc_fail_admit: int = 0
     build_ns: int = 0  # request construction (prompt hashing), not in step_ns
+    hash_ns: int = 0  # sched lanes: prompt hashing in timed steps (part of step_ns)
     init_ns: int = 0  # manager construction
 
     @property
@@ -385,17 +400,28 @@ class Driver:
         make = lane.make_request
         budget0 = tr.token_budget
         max_running = tr.max_running
+        sched_mode = getattr(lane, "sched", False)
+        hash_request = lane.hash_request if sched_mode else None
+        new_ids = lane.new_ids if sched_mode else None
+        table_ids = lane.table_ids if sched_mode else None
+        arrived: list = []
         for step in range(total_steps):
             timed = step >= tr.warmup_steps
             # ---- untimed: top up the queue, build the request objects that may be admitted
             free_slots = max_running - len(running)
             while len(waiting) < free_slots + 1:
                 waiting.append(ReqState(next(stream)))
+            arrived.clear()
             t = perf()
             for k in range(min(free_slots, len(waiting))):
                 st = waiting[k]
                 if st.req is None:
                     st.req, st.append = make(st.spec.rid, st.tokens)
+                    if sched_mode:
+                        if st.rebuilt:
+                            hash_request(st.req)
+                        else:
+                            arrived.append(st.req)
             res.build_ns += perf() - t
             if self.hook is not None:
                 self.hook(step)
@@ -404,6 +430,11 @@ class Driver:
             alloc = lane.alloc
             free = lane.free
             t0 = perf()
+            if sched_mode:
+                for req in arrived:
+                    hash_request(req)
+                if timed:
+                    res.hash_ns += perf() - t0
             lane.new_step()
             budget = budget0
             sched: list = []
@@ -417,18 +448,21 @@ class Driver:
                 if n <= 0:
                     i += 1
                     continue
-                while alloc(st.req, n) is None:
+                while (new := alloc(st.req, n)) is None:
                     victim = running.pop()
                     free(victim.req)
                     victim.req = victim.append = None
                     victim.computed = 0
                     victim.tokens = victim.spec.prompt + victim.spec.outputs[: victim.out_idx]
+                    victim.rebuilt = True
                     waiting.appendleft(victim)
                     res.preemptions += 1
                     preempted = True
                     if victim is st:
                         break
                 else:
+                    if sched_mode:
+                        new_ids(new)
                     budget -= n
                     sched.append((st, n))
                     i += 1
@@ -449,6 +483,8 @@ class Driver:
                     if alloc(req, n, hit, r[0]) is None:
                         res.alloc_fail_admit += 1
                         break
+                    if sched_mode:
+                        table_ids(req.request_id)
                     waiting.popleft()
                     running.append(st)
                     res.admitted += 1
@@ -512,12 +548,13 @@ class HybridLane:
     """hybridkv's KVCacheManager (system python3 or any python with src/ on the path)."""
 
     def __init__(self, uncached_first: bool = True, hash_algo: str = "sha256", name: str | None = None,
-                 stripe_groups: bool = True, read_ids: bool = False):
+                 stripe_groups: bool = True, read_ids: bool = False, sched: bool = False):
         self.uncached_first = uncached_first
         self.hash_algo = hash_algo
         self.stripe_groups = stripe_groups
         self.read_ids = read_ids  # read every group's block ids after each allocation (as the scheduler does)
-        self.name = name or ("hybridkv" if uncached_first else "hybridkv(lru)")
+        self.sched = sched  # used as vLLM's scheduler uses a manager (see the module docstring)
+        self.name = name or ("hybridkv" if uncached_first else "hybridkv(lru)") + ("+sched" if sched else "")
         self.kv = None
 
     def build(self, tr: TraceSpec) -> None:
@@ -548,9 +585,23 @@ class HybridLane:
             self.alloc = alloc
         self.free = kv.free
         self.new_step = _noop
+        if self.sched:
+            from hybridkv.core.kv_cache_manager import KVCacheBlocks
+            from hybridkv.core.request import Request
+
+            self._Request = Request
+            self.hash_request = kv.hasher.extend  # the prompt's block hashes (Request.__init__ does this)
+            self.new_ids = KVCacheBlocks.get_block_ids  # allocate_slots' result: the new ids per group
+            # the whole table: the manager's id lists (live; hybridkv's scheduler hands them to the
+            # runner as they are, where vLLM builds new lists from its block objects)
+            self.table_ids = kv.get_block_ids
 
     def make_request(self, rid: str, tokens: list[int]):
-        r = self.kv.make_request(rid, tokens)
+        if self.sched:  # hashed by the driver, timed (hash_request)
+            r = self._Request(rid, tokens)
+            r._hasher = self.kv.hasher  # later appends hash as usual
+        else:
+            r = self.kv.make_request(rid, tokens)
         return r, r.append_token_ids
 
     # --- inspection (check mode)

@@ -1,6 +1,7 @@
 """Generation throughput: LLMEngine vs transformers ``generate``, 32 concurrent requests.
 
-    python3 benchmarks/bench_engine.py [--quick] [--rounds N] [--threads N] [--equal-lengths] [--hf-attn both|sdpa|eager]
+    python3 benchmarks/bench_engine.py [--quick] [--rounds N] [--threads N] [--workloads padded,equal]
+                                       [--hf-attn both|sdpa|eager]
 
 The model is a tiny random ``Llama4ForCausalLM`` built here (no downloads): fp32,
 hidden 256, 8 layers (6 chunked-local RoPE layers with chunk 64, 2 NoPE full
@@ -8,8 +9,12 @@ layers), 8 query / 2 KV heads of 32, dense MLP 512, vocab 1024, weights re-drawn
 large enough that greedy tokens are well separated. It is saved with
 ``save_pretrained`` to a temp dir and loaded from there by both sides.
 
-Workload: 32 random prompts of 64-256 tokens (``--equal-lengths``: all 160), 48 new
-tokens each (``--quick``: 32 new tokens, 3 rounds, about 25 s), greedy, no stop token.
+Two workloads, timed in the same rounds and reported side by side: ``padded``, 32
+random prompts of 64-256 tokens (HF left-pads them to the longest and computes the
+padding too), and ``equal``, 32 random prompts of exactly 160 tokens (about the same
+total; HF's batched generate does no padding work, so this ratio is the engine
+against HF on equal terms). 48 new tokens each (``--quick``: 32 new tokens, 3 rounds,
+about 50 s), greedy, no stop token.
 
 * ours: a fresh ``LLMEngine`` per round, built before the clock starts (block 16,
   default budget 2048 tokens / step, prefix caching on; the prompts share nothing, and
@@ -27,12 +32,13 @@ tokens each (``--quick``: 32 new tokens, 3 rounds, about 25 s), greedy, no stop 
   default, ``hf-sdpa``.
 
 All run in this process with the same ``torch.set_num_threads`` (printed), in an
-order rotated round by round so machine drift hits every side; tokens/s counts
-generated tokens; per round the ratio HF time / our time, and the median over rounds.
-The first round's tokens are then checked against HF's batched output for all 32
-requests and against unpadded single-request HF ``generate`` for four of them (a
-mismatch aborts before the summary). The machine this was written on is shared:
-expect +-15 % between rounds.
+order rotated round by round (workloads, and the sides within each) so machine drift
+hits every side; tokens/s counts generated tokens; per round and workload the ratio
+HF time / our time, and the median (and range) over rounds. The first round's tokens
+of each workload are then checked against HF's batched output for all 32 requests and
+against unpadded single-request HF ``generate`` for four of them (a mismatch aborts
+before the summary). The machine this was written on is shared: expect +-15 %
+between rounds.
 """
 
 from __future__ import annotations
@@ -143,19 +149,26 @@ def check_tokens(mine: dict[str, list[list[int]]], batched: list[list[int]], hf_
         print("  (HF's padded batch differs from its own unpadded runs there; ours matches the unpadded runs)")
 
 
+WORKLOADS = {"padded": "left-padded (64-256 tokens)", "equal": "equal lengths (160 tokens, no padding)"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="< 30 s: 32 new tokens, 3 rounds, no plain-linear variant")
+    ap.add_argument("--quick", action="store_true", help="~50 s: 32 new tokens, 3 rounds, no plain-linear variant")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both sides (default 1)")
-    ap.add_argument("--equal-lengths", action="store_true", help="all prompts 160 tokens (HF needs no padding)")
+    ap.add_argument("--workloads", default="padded,equal",
+                    help="comma list of padded (random 64-256-token prompts) and equal (all 160); default both")
     ap.add_argument("--hf-attn", default="both", choices=["both", "sdpa", "eager"],
                     help="HF attention(s) to time (default both; sdpa is HF's default)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (3 if args.quick else 5)
     new_tokens = 32 if args.quick else 48
-    prompts = make_prompts(args.equal_lengths)
+    names_w = [w for w in args.workloads.split(",") if w in WORKLOADS]
+    if not names_w:
+        raise SystemExit(f"--workloads: choose from {', '.join(WORKLOADS)}")
+    workloads = {w: make_prompts(w == "equal") for w in names_w}
 
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp))
@@ -165,46 +178,60 @@ def main() -> None:
         models = {"ours": load_model(tmp)}
         if not args.quick:  # the same engine on F.linear (MKL, as HF): what the prepacked copies buy
             models["ours-plain"] = load_model(tmp, prepack=False)
-    lens = [len(p) for p in prompts]
     print(f"tiny Llama-4 (hidden 256, 8 layers, chunk 64, vocab {VOCAB}, fp32, CPU), "
           f"torch threads {torch.get_num_threads()} (both sides), torch {torch.__version__}, transformers {tf.__version__}")
-    print(f"{NUM_REQUESTS} requests, prompts {min(lens)}-{max(lens)} tokens (total {sum(lens)}), "
-          f"{new_tokens} new tokens each, greedy; HF: one batched generate, "
-          f"{'no padding' if len(set(lens)) == 1 else 'left-padded'}, attention {' and '.join(attns)}")
+    for w, prompts in workloads.items():
+        lens = [len(p) for p in prompts]
+        print(f"{w}: {NUM_REQUESTS} requests, prompts {min(lens)}-{max(lens)} tokens (total {sum(lens)}), "
+              f"{new_tokens} new tokens each, greedy; HF: one batched generate, "
+              f"{'no padding' if len(set(lens)) == 1 else 'left-padded'}, attention {' and '.join(attns)}")
+    warm = next(iter(workloads.values()))[:2]
     for model in models.values():  # first-call costs (oneDNN primitives, allocator) out of the rounds
-        ours_generate(new_engine(model), prompts[:2], 2)
+        ours_generate(new_engine(model), warm, 2)
     for m in hf_models.values():
-        hf_generate(m, prompts[:2], 2)
+        hf_generate(m, warm, 2)
 
     ref = next(iter(hf_models))  # the headline baseline
     names = [*models, *hf_models]
-    times: dict[str, list[float]] = {k: [] for k in names}
-    outputs: dict[str, list[list[int]]] = {}
+    times = {w: {k: [] for k in names} for w in workloads}
+    outputs: dict[str, dict[str, list[list[int]]]] = {w: {} for w in workloads}
     generated = NUM_REQUESTS * new_tokens
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:  # rotate who goes first
-            engine = new_engine(models[name]) if name in models else None
-            t0 = time.perf_counter()
-            if engine is not None:
-                out = ours_generate(engine, prompts, new_tokens)
-            else:
-                out = hf_generate(hf_models[name], prompts, new_tokens)
-            times[name].append(time.perf_counter() - t0)
-            outputs.setdefault(name, out)
-        line = "   ".join(f"{k} {generated / times[k][-1]:6.0f} tok/s" for k in names)
-        vs = "   ".join(f"ours/{h} {times[h][-1] / times['ours'][-1]:.2f}x" for h in hf_models)
-        print(f"round {r}: {line}   {vs}")
-    check_tokens({k: outputs[k] for k in models}, outputs[ref], hf_model, prompts, new_tokens)
-    print(f"{'':<11} {'median s':>9} {'tok/s':>7}" + "".join(f" {'vs ' + h:>24}" for h in hf_models))
-    for k in names:
-        cells = ""
-        for h in hf_models:
-            ratios = [a / b for a, b in zip(times[h], times[k])]
-            cells += f" {statistics.median(ratios):>8.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)"
-        print(f"{k:<11} {statistics.median(times[k]):>9.3f} {generated / statistics.median(times[k]):>7.0f}{cells}")
+        order_w = names_w[r % len(names_w):] + names_w[: r % len(names_w)]
+        for w in order_w:
+            prompts = workloads[w]
+            for name in names[r % len(names):] + names[: r % len(names)]:  # rotate who goes first
+                engine = new_engine(models[name]) if name in models else None
+                t0 = time.perf_counter()
+                if engine is not None:
+                    out = ours_generate(engine, prompts, new_tokens)
+                else:
+                    out = hf_generate(hf_models[name], prompts, new_tokens)
+                times[w][name].append(time.perf_counter() - t0)
+                outputs[w].setdefault(name, out)
+        line = "   ".join(f"{w}: " + " ".join(f"ours/{h} {times[w][h][-1] / times[w]['ours'][-1]:.2f}x"
+                                              for h in hf_models) for w in names_w)
+        tps = "   ".join(f"{w} {generated / times[w]['ours'][-1]:.0f} tok/s" for w in names_w)
+        print(f"round {r}: ours {tps}   {line}", flush=True)
+    for w in names_w:
+        print(f"[{w}]")
+        check_tokens({k: outputs[w][k] for k in models}, outputs[w][ref], hf_model, workloads[w], new_tokens)
+    print(f"\n{'workload':<8} {'':<11} {'median s':>9} {'tok/s':>7}" + "".join(f" {'vs ' + h:>24}" for h in hf_models))
+    for w in names_w:
+        for k in names:
+            cells = ""
+            for h in hf_models:
+                ratios = [a / b for a, b in zip(times[w][h], times[w][k])]
+                cells += f" {statistics.median(ratios):>8.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)"
+            med = statistics.median(times[w][k])
+            print(f"{w:<8} {k:<11} {med:>9.3f} {generated / med:>7.0f}{cells}")
+    print()
     for h in hf_models:
-        ratios = [a / o for a, o in zip(times[h], times["ours"])]
-        print(f"ratio ours / {h} (tokens/s), median of {rounds} rounds: {statistics.median(ratios):.2f}x"
+        cells = []
+        for w in names_w:
+            ratios = [a / o for a, o in zip(times[w][h], times[w]["ours"])]
+            cells.append(f"{WORKLOADS[w]} {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)")
+        print(f"ratio ours / {h} (tokens/s), median of {rounds} rounds: " + ";  ".join(cells)
               + ("   <- HF's default attention" if h == "hf-sdpa" else ""))
 
 

@@ -5,7 +5,10 @@ by side: 10 scheduling steps of one, then 10 of the other (A B B A A B ...; the
 order flips every slice and every round) so load on this shared machine cancels.
 Prints, per trace, µs per scheduling step for each manager, the ratio
 hybridkv / vLLM (median over rounds) and the prefix-cache hit tokens of each
-(they must be equal: same semantics). Then a step-by-step semantics check
+(they must be equal: same semantics), in two lanes side by side: *plain* (the
+manager calls) and *sched* (the managers used as vLLM's scheduler uses them:
+prompt hashing of arriving requests timed, the new block ids of each running
+request and the whole table of each admitted one read; see ``_traces.py``). Then a step-by-step semantics check
 (untimed) of every trace in both free-queue modes, and optionally a randomised
 differential fuzz on tiny configs.
 
@@ -53,6 +56,7 @@ bytes + sha256).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -110,9 +114,10 @@ SLICE = 10  # steps of one manager before the other's turn (the order flips ever
 class VllmLane:
     """vLLM 0.33's v1 KVCacheManager driven the way its scheduler drives it."""
 
-    def __init__(self, plain_lru: bool = False, name: str | None = None):
+    def __init__(self, plain_lru: bool = False, name: str | None = None, sched: bool = False):
         self.plain_lru = plain_lru
-        self.name = name or ("vllm(lru)" if plain_lru else "vllm")
+        self.sched = sched  # used as vLLM's scheduler uses it (see _traces.py's docstring)
+        self.name = name or ("vllm(lru)" if plain_lru else "vllm") + ("+sched" if sched else "")
         self.mgr = None
 
     def build(self, tr: TraceSpec) -> None:
@@ -152,10 +157,20 @@ class VllmLane:
         self.alloc = mgr.allocate_slots
         self.free = mgr.free
         self.new_step = mgr.new_step_starts
+        if self.sched:
+            from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+            self.hash_request = Request.update_block_hashes  # what Request.__init__ calls
+            # the scheduler: new_blocks.get_block_ids(allow_none=True) for running requests
+            # (CachedRequestData), get_blocks(id).get_block_ids() for new ones (NewRequestData)
+            self.new_ids = functools.partial(KVCacheBlocks.get_block_ids, allow_none=True)
+            self.table_ids = mgr.get_block_ids
 
     def make_request(self, rid: str, tokens: list[int]):
         r = self._Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=self._params,
-                          pooling_params=None, block_hasher=self._hasher)
+                          pooling_params=None, block_hasher=None if self.sched else self._hasher)
+        if self.sched:  # hashed by the driver, timed (hash_request)
+            r._block_hasher = self._hasher
         return r, r.append_output_token_ids
 
     def num_free_blocks(self) -> int:
@@ -421,76 +436,106 @@ def timed_run(tr: TraceSpec, lane):
     return res
 
 
-def bench(traces, quick: bool, rounds: int):
+LANES = ("hybridkv", "vllm", "hybridkv+sched", "vllm+sched")
+
+
+def make_lane(key: str):
+    sched = key.endswith("+sched")
+    return HybridLane(sched=sched) if key.startswith("hybridkv") else VllmLane(sched=sched)
+
+
+def bench(traces, quick: bool, rounds: int, lanes=LANES):
+    """Per trace and round: every lane in ``lanes`` plays the trace side by side (run_interleaved),
+    the lane order reversed every other round. Ratios are per round (hybridkv / vLLM of one kind)."""
     rows = []
+    kinds = [k for k in ("", "+sched") if f"hybridkv{k}" in lanes and f"vllm{k}" in lanes]
     for name in traces:
         t_trace = time.perf_counter()
         tr = make_trace(name, quick=quick)
-        per = {"hybridkv": [], "vllm": []}
-        per_rs = {"hybridkv": [], "vllm": []}
-        ratios, ratios_x = [], []
-        hits = {"hybridkv": set(), "vllm": set()}
+        per = {k: [] for k in lanes}
+        per_rs = {k: [] for k in lanes}
+        hash_us = {k: [] for k in lanes}
+        ratios = {k: [] for k in kinds}
+        ratios_x = []
+        hits = {k: set() for k in lanes}
         extra = {}
         null = timed_run(tr, NullLane())
         null_ns = sum(null.step_ns) / max(1, null.req_steps)
         for r in range(rounds):
-            pair = [HybridLane(), VllmLane()]
-            if r % 2:
-                pair.reverse()
-            res = {o.lane: o for o in run_interleaved([(tr, lane) for lane in pair], SLICE)}
-            del pair
-            h, v = res["hybridkv"], res["vllm"]
+            order = list(lanes) if r % 2 == 0 else list(lanes)[::-1]
+            res = {o.lane: o for o in run_interleaved([(tr, make_lane(k)) for k in order], SLICE)}
             for key, o in res.items():
                 per[key].append(o.us_per_step)
+                hash_us[key].append(o.hash_ns / max(1, len(o.step_ns)) / 1e3)
                 per_rs[key].append(o.us_per_req_step)
                 hits[key].add((o.hit_tokens, o.timed_hit_tokens))
-            ratios.append(h.us_per_step / v.us_per_step)
-            drv = null_ns * h.req_steps / max(1, len(h.step_ns)) / 1e3
-            ratios_x.append((h.us_per_step - drv) / (v.us_per_step - drv))
+            for k in kinds:
+                ratios[k].append(res[f"hybridkv{k}"].us_per_step / res[f"vllm{k}"].us_per_step)
+            h, v = res[f"hybridkv{kinds[0]}"], res[f"vllm{kinds[0]}"]
+            if "" in kinds:
+                drv = null_ns * h.req_steps / max(1, len(h.step_ns)) / 1e3
+                ratios_x.append((h.us_per_step - drv) / (v.us_per_step - drv))
             extra = dict(steps=len(h.step_ns), req_steps=h.req_steps, preempt=(h.preemptions, v.preemptions),
                          lookups=(h.lookups, v.lookups), query=h.query_tokens,
                          build_us=(h.build_ns / 1e3 / max(1, h.admitted + h.preemptions),
                                    v.build_ns / 1e3 / max(1, v.admitted + v.preemptions)),
                          init_s=(h.init_ns / 1e9, v.init_ns / 1e9))
-            print(f"  [{name}] round {r + 1}/{rounds}: hybridkv {h.us_per_step:9.1f} us/step  "
-                  f"vllm {v.us_per_step:9.1f} us/step  ratio {ratios[-1]:.3f}  "
-                  f"hits {h.hit_tokens} / {v.hit_tokens}", flush=True)
+            print(f"  [{name}] round {r + 1}/{rounds}: " + "  ".join(
+                f"{k} {res[k].us_per_step:8.1f}" for k in lanes) + " us/step  ratio "
+                + "  ".join(f"{k or 'plain'} {ratios[k][-1]:.3f}" for k in kinds), flush=True)
         print(f"  [{name}] {time.perf_counter() - t_trace:.0f} s", flush=True)
         rows.append(dict(trace=name, desc=tr.description, shape=tr.shape, per=per, per_rs=per_rs, ratios=ratios,
-                         ratios_x=ratios_x, hits=hits, null_us=null_ns / 1e3, **extra))
+                         hash_us={k: median(v) for k, v in hash_us.items()},
+                         ratios_x=ratios_x, hits=hits, null_us=null_ns / 1e3, kinds=kinds, **extra))
     return rows
 
 
 TARGET = {"a": 0.5, "b": 0.5, "c": 0.7, "d": 0.7}
 
 
+def _range(xs) -> str:
+    return f"{min(xs):.2f}-{max(xs):.2f}" if xs else "-"
+
+
 def print_bench(rows, rounds):
     print()
-    print(f"Timing (median of {rounds} rounds; in each round both managers play the trace side by side, "
-          f"{SLICE} steps each in turn, the order flipping every slice and every round; µs per scheduling step = "
-          "all the manager calls of one step for every scheduled request, incl. num_computed/append bookkeeping)")
-    hdr = (f"{'trace':5} {'layout':34} {'steps':>5} {'req/step':>8} {'hybridkv us/step':>16} {'vLLM us/step':>13} "
-           f"{'ratio':>6} {'ex-drv':>6} {'target':>6} {'hybridkv us/req':>15} {'vLLM us/req':>11} "
-           f"{'hit tokens hybridkv':>19} {'hit tokens vLLM':>15} {'equal':>5}")
+    print(f"Timing (median of {rounds} rounds; in each round the lanes play the trace side by side, "
+          f"{SLICE} steps each in turn, the order flipping every slice and every round; µs per scheduling step)")
+    print("  plain: manager calls (+ num_computed / append bookkeeping; appended tokens hashed) as before;")
+    print("  sched: as vLLM's scheduler uses the manager: also prompt hashing of arriving requests, new block ids "
+          "read for running requests, the whole table for admitted ones")
+    hdr = (f"{'trace':5} {'layout':34} {'steps':>5} {'req/step':>8} "
+           f"{'plain: hybridkv':>15} {'vLLM':>7} {'ratio':>6} {'(range)':>11} {'ex-drv':>6} "
+           f"{'sched: hybridkv':>15} {'vLLM':>7} {'ratio':>6} {'(range)':>11} {'target':>6} "
+           f"{'hit tokens (both)':>17} {'equal':>5}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        hh = sorted(r["hits"]["hybridkv"])
-        hv = sorted(r["hits"]["vllm"])
-        eq = hh == hv and len(hh) == 1
-        ratio = median(r["ratios"])
+        allhits = {k: sorted(v) for k, v in r["hits"].items()}
+        first = next(iter(allhits.values()))
+        eq = all(v == first for v in allhits.values()) and len(first) == 1
+        cells = []
+        for k in ("", "+sched"):
+            if k in r["kinds"]:
+                cells.append(f"{median(r['per']['hybridkv' + k]):>15.1f} {median(r['per']['vllm' + k]):>7.0f} "
+                             f"{median(r['ratios'][k]):>6.3f} {_range(r['ratios'][k]):>11}")
+            else:
+                cells.append(f"{'-':>15} {'-':>7} {'-':>6} {'-':>11}")
+            if k == "":
+                cells[-1] += f" {median(r['ratios_x']) if r['ratios_x'] else float('nan'):>6.3f}"
         print(f"{r['trace']:5} {r['shape']:34} {r['steps']:>5} {r['req_steps'] / r['steps']:>8.1f} "
-              f"{median(r['per']['hybridkv']):>16.1f} {median(r['per']['vllm']):>13.1f} "
-              f"{ratio:>6.3f} {median(r['ratios_x']):>6.3f} {TARGET[r['trace']]:>6} "
-              f"{median(r['per_rs']['hybridkv']):>15.2f} {median(r['per_rs']['vllm']):>11.2f} "
-              f"{hh[0][0]:>19} {hv[0][0]:>15} {'yes' if eq else 'NO':>5}")
+              f"{cells[0]} {cells[1]} {TARGET[r['trace']]:>6} {first[0][0]:>17} {'yes' if eq else 'NO':>5}")
     print()
-    print("ratio = hybridkv / vLLM per round, median; ex-drv = the same with the driver's own cost (null lane) "
-          "subtracted from both; us/req = µs per scheduled (request, step).")
+    print("ratio = hybridkv / vLLM per round, median (range over rounds); ex-drv = the plain ratio with the "
+          "driver's own cost (null lane) subtracted from both.")
     for r in rows:
-        print(f"  {r['trace']}: {r['desc']}; rounds: " + ", ".join(f"{x:.3f}" for x in r["ratios"])
+        print(f"  {r['trace']}: {r['desc']}; rounds: " + "; ".join(
+            f"{k or 'plain'} " + ", ".join(f"{x:.3f}" for x in r["ratios"][k]) for k in r["kinds"])
+              + f"; us/req-step " + ", ".join(f"{k} {median(v):.2f}" for k, v in r["per_rs"].items())
+              + (f"; sched prompt hashing us/step hybridkv {r['hash_us']['hybridkv+sched']:.1f}, "
+                 f"vllm {r['hash_us']['vllm+sched']:.1f}" if "+sched" in r["kinds"] else "")
               + f"; driver {r['null_us']:.2f} us/req; preemptions {r['preempt']}; lookups {r['lookups']}; "
-              f"request build (untimed) {r['build_us'][0]:.0f} / {r['build_us'][1]:.0f} us; "
+              f"request build (untimed in plain) {r['build_us'][0]:.0f} / {r['build_us'][1]:.0f} us; "
               f"init {r['init_s'][0]:.2f} / {r['init_s'][1]:.2f} s")
 
 
@@ -552,6 +597,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="short traces, 2 rounds (~30 s)")
     ap.add_argument("--traces", default="abcd", help="subset of a, b, c, d")
     ap.add_argument("--rounds", type=int, default=None, help="rounds per trace (default 3, --quick 2)")
+    ap.add_argument("--lanes", default="both", choices=["both", "plain", "sched"],
+                    help="plain: manager calls only; sched: as vLLM's scheduler uses it (default both, side by side)")
     ap.add_argument("--no-check", action="store_true", help="skip the semantics check")
     ap.add_argument("--check-only", action="store_true", help="only the semantics check (and --fuzz)")
     ap.add_argument("--fuzz", type=int, default=0, metavar="N", help="also fuzz N random tiny configs")
@@ -574,7 +621,8 @@ def main(argv=None) -> int:
     rounds = args.rounds or (2 if args.quick else 3)
     rows = []
     if not args.check_only:
-        rows = bench(traces, args.quick, rounds)
+        lanes = {"both": LANES, "plain": LANES[:2], "sched": LANES[2:]}[args.lanes]
+        rows = bench(traces, args.quick, rounds, lanes)
         print_bench(rows, rounds)
     checks = []
     if not args.no_check:
