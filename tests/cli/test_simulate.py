@@ -18,7 +18,7 @@ def test_simulate_json_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "sim.png"
     assert main(["simulate", "gemma-3-27b", "--memory", "4GiB", "--workload", "chat", "--num-requests", "6",
-                 "--json", "--plot", str(png), "--no-progress"]) == 0
+                 "--json-series", "--plot", str(png), "--no-progress"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [r["layout"] for r in data["results"]] == ["hybrid", "full"]
     assert all(r["finished"] == 6 for r in data["results"])
@@ -31,7 +31,8 @@ def test_trace_file(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"prompt": [1, 2, 3], "output_len": 3}\n{"arrival": 2, "prompt_len": 40, "output_len": 2}\n')
     assert main(["simulate", "mistral-7b", "--memory", "1GiB", "--workload", str(trace), "--json", "--no-progress"]) == 0
-    assert json.loads(capsys.readouterr().out)["results"][0]["finished"] == 2
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert results[0]["finished"] == 2 and "series" not in results[0]  # --json: the summary only
 
 
 def test_bad_trace_line_is_one_line_error_exit_2(tmp_path):

@@ -208,3 +208,14 @@ def test_default_pool_holds_one_request_of_max_model_len_under_any_budget(arch, 
         out = engine.generate([list(range(1, 41))], SamplingParams(max_tokens=8, ignore_eos=True))
         assert len(out[0].output_token_ids) == 8 and out[0].num_preemptions == 0
         engine.scheduler.check_invariants()
+
+
+def test_a_pool_larger_than_memory_is_refused_before_it_is_built(tiny_models):
+    from hybridkv.engine.models import load_model
+    from hybridkv.errors import InvalidConfigError
+
+    model = load_model(tiny_models("mistral")[0])
+    with pytest.raises(InvalidConfigError, match="a KV cache of 100,000,000,000 blocks would take"):
+        LLMEngine(model, EngineConfig(num_blocks=10**11))
+    with pytest.raises(InvalidConfigError, match="available on cpu"):
+        LLMEngine(model, EngineConfig(kv_cache_memory="900TiB"))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from hybridkv.cli import write_out
+from hybridkv.cli.options import int_range, memory, tokens
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from hybridkv.planner.plan import plan_model
 from hybridkv.planner.presets import preset_names
@@ -33,18 +35,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         epilog=f"presets: {', '.join(preset_names())}",
     )
     parser.add_argument("config", metavar="CONFIG_OR_PRESET", help="preset name, config.json path, or model directory")
-    parser.add_argument("--memory", default=DEFAULT_MEMORY,
+    parser.add_argument("--memory", type=memory, default=DEFAULT_MEMORY,
                         help=f"KV cache memory budget, e.g. 80GiB, 80GB, 512MiB (default {DEFAULT_MEMORY})")
-    parser.add_argument("--max-model-len", default=None,
+    parser.add_argument("--max-model-len", type=tokens, default=None,
                         help="tokens per request, e.g. 1M, 128k, 32768 (default: the model's max_position_embeddings)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    parser.add_argument("--block-size", type=int_range(1), default=16, help="tokens per KV cache block (default 16)")
+    parser.add_argument("--max-num-batched-tokens", type=int_range(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                         help="tokens the scheduler computes per step; a prefill chunk this long sits on top of a "
                         f"window / chunk in the per-request bound (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     parser.add_argument("--dtype", default=None, help="KV cache dtype, e.g. bfloat16, fp8 (default: the config's)")
     parser.add_argument("--no-hybrid", action="store_true",
-                        help="use the all-full-attention layout (hybrid KV cache management off)")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+                        help="use the all-full-attention layout (hybrid KV cache management off; default on)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (default: a table)")
     parser.set_defaults(func=run)
     return parser
 
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     if args.json:
-        print(json.dumps(plan_to_dict(plan), indent=2))
+        write_out(json.dumps(plan_to_dict(plan), indent=2))
     else:
-        print(render_plan(plan))
+        write_out(render_plan(plan))
     return 0

@@ -27,7 +27,7 @@ import torch
 
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
 from hybridkv.core.kv_cache_manager import KVCacheManager
-from hybridkv.engine.kv_storage import PagedKVStorage
+from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation
 from hybridkv.engine.model_runner import PagedModelRunner
 from hybridkv.engine.models import load_model
 from hybridkv.engine.models.base import CausalLM
@@ -94,6 +94,8 @@ class LLMEngine:
             memory_bytes=memory,
         )
         num_blocks = self._num_blocks()
+        # before any per-block state exists: a huge pool is refused, not built for minutes
+        check_allocation(num_blocks * self.grouping.bytes_per_block, config.device, f"a KV cache of {num_blocks:,} blocks")
         self.kv_cache_config = KVCacheConfig(
             num_blocks,
             tuple(KVCacheGroup(g.spec, tuple(f"model.layers.{i}" for i in g.layers)) for g in self.grouping.groups),

@@ -20,13 +20,15 @@ never gathers it (checked in :mod:`hybridkv.engine.attention`).
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
 
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, InvariantViolation
+from hybridkv.planner.sizes import format_bytes
 
-__all__ = ["PagedKVStorage", "NULL_BLOCK_ID", "torch_dtype", "layer_index"]
+__all__ = ["PagedKVStorage", "NULL_BLOCK_ID", "torch_dtype", "layer_index", "available_memory", "check_allocation"]
 
 #: the shared null block; stands for tokens no query may attend to
 NULL_BLOCK_ID = 0
@@ -62,6 +64,45 @@ def layer_index(name: int | str) -> int:
             if part.isdigit():
                 return int(part)
     raise InvalidConfigError(f"cannot tell the layer index of layer name {name!r}")
+
+
+def available_memory(device: str | torch.device = "cpu") -> int | None:
+    """Bytes free for new tensors on ``device``: CUDA's free memory, else the host's
+    ``MemAvailable`` (Linux ``/proc/meminfo``), else its physical memory; None when
+    it cannot be told."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_allocation(num_bytes: int, device: str | torch.device, what: str) -> None:
+    """Refuse, before allocating, ``num_bytes`` that ``device`` does not have free.
+
+    Raises InvalidConfigError naming ``what``, the bytes and the bytes available (a
+    huge ``num_blocks`` would otherwise swap or hang instead of failing).
+    """
+    free = available_memory(device)
+    if free is not None and num_bytes > free:
+        raise InvalidConfigError(
+            f"{what} would take {format_bytes(num_bytes)} ({num_bytes:,} bytes), more than the "
+            f"{format_bytes(free)} ({free:,} bytes) available on {torch.device(device)}"
+        )
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -118,6 +159,9 @@ class PagedKVStorage:
                 self.layer_to_group_position[layer] = (g, j)
 
         num_positions = max(len(g) for g in self.groups)
+        item = torch.empty((), dtype=self.dtype).element_size()
+        total = num_positions * 2 * num_kv_heads * num_blocks * block_size * head_size * item
+        check_allocation(total, self.device, f"a KV cache of {num_blocks:,} blocks")
         # kv_caches[j]: [2 (K, V), num_kv_heads, num_blocks, block_size, head_size]
         self.kv_caches: list[torch.Tensor] = [
             torch.zeros(

@@ -9,6 +9,12 @@ a key with no such default is required, and its absence is an
 :class:`~hybridkv.errors.InvalidConfigError` naming the key and the file::
 
     preset gemma-3-27b: text_config.num_hidden_layers is missing
+
+Integers are also bounded above (:data:`LIMITS`, else :data:`DEFAULT_LIMIT`), so a
+config with ``"num_hidden_layers": 1000000000`` is refused in one line instead of
+building a billion layer specs::
+
+    model/config.json: num_hidden_layers is 1,000,000,000; more than 10,000 is not a model config
 """
 
 from __future__ import annotations
@@ -16,8 +22,20 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from hybridkv.errors import InvalidConfigError
+from hybridkv.planner.sizes import MAX_TOKENS
 
-__all__ = ["ConfigReader", "REQUIRED"]
+__all__ = ["ConfigReader", "REQUIRED", "LIMITS", "DEFAULT_LIMIT"]
+
+#: the largest value a key may hold (real models: <= 200 layers, <= 256 heads, head_dim <= 512)
+LIMITS: dict[str, int] = {
+    "num_hidden_layers": 10_000,
+    "num_attention_heads": 65_536,
+    "num_key_value_heads": 65_536,
+    "head_dim": 65_536,
+    "hidden_size": 2**24,
+}
+#: the bound of every other integer key (token counts: windows, chunks, positions)
+DEFAULT_LIMIT = MAX_TOKENS
 
 
 class _Required:
@@ -59,11 +77,17 @@ class ConfigReader:
             return self.defaults[key]
         raise self.fail(key, "is missing")
 
+    def _bounded(self, key: str, value: int) -> int:
+        limit = LIMITS.get(key, DEFAULT_LIMIT)
+        if value > limit:
+            raise self.fail(key, f"is {value:,}; more than {limit:,} is not a model config")
+        return value
+
     def positive_int(self, key: str, default: Any = REQUIRED) -> int:
         value = self.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise self.fail(key, f"must be a positive integer, got {value!r}")
-        return value
+        return self._bounded(key, value)
 
     def optional_positive_int(self, key: str, default: Any = REQUIRED) -> int | None:
         """Like :meth:`positive_int`, but JSON ``null`` is allowed and gives None."""
@@ -76,7 +100,7 @@ class ConfigReader:
         value = self.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise self.fail(key, f"must be a non-negative integer, got {value!r}")
-        return value
+        return self._bounded(key, value)
 
     def boolean(self, key: str, default: Any = REQUIRED) -> bool:
         value = self.get(key, default)

@@ -83,6 +83,8 @@ def _parse_json(text: str, label: str) -> dict[str, Any]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidConfigError(f"{label}: not valid JSON (line {exc.lineno} column {exc.colno}: {exc.msg})") from None
+    except RecursionError:
+        raise InvalidConfigError(f"{label}: JSON nested too deeply to be a config") from None
     if not isinstance(data, dict):
         raise InvalidConfigError(f"{label}: a config.json must hold a JSON object, got {type(data).__name__}")
     return data

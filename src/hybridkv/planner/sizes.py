@@ -18,8 +18,11 @@ the case of the suffix picks the base::
     "1g" -> 10**9       "1G" -> 2**30        ("t"/"T": 10**12 / 2**40)
     "25.6k" -> 25_600   (decimals only with decimal suffixes, and the result must be whole)
 
-A value that does not parse raises :class:`~hybridkv.errors.InvalidArgumentError`
-with a one-line message naming the value.
+A value that does not parse, is not positive, or is above a sane ceiling
+(:data:`MAX_BYTES` = 1 PiB of memory, :data:`MAX_TOKENS` = 2**40 tokens; no machine
+or model comes near either, and a typo such as ``999999999999999TiB`` should not be
+planned for) raises :class:`~hybridkv.errors.InvalidArgumentError` with a one-line
+message naming the value. Digits are ASCII only.
 """
 
 from __future__ import annotations
@@ -29,7 +32,12 @@ from fractions import Fraction
 
 from hybridkv.errors import InvalidArgumentError
 
-__all__ = ["parse_bytes", "parse_tokens", "format_bytes", "format_tokens"]
+__all__ = ["MAX_BYTES", "MAX_TOKENS", "parse_bytes", "parse_tokens", "format_bytes", "format_tokens"]
+
+#: the largest memory size accepted: 1 PiB (a whole GPU rack holds ~1% of it)
+MAX_BYTES = 2**50
+#: the largest token count accepted: 2**40 (1T, about 10**12; no model's context comes near)
+MAX_TOKENS = 2**40
 
 _BYTE_UNITS: dict[str, int] = {
     "": 1,
@@ -51,7 +59,7 @@ _BYTE_UNITS: dict[str, int] = {
 _TOKEN_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _TOKEN_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
-_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
+_NUMBER = r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
 _BYTES_RE = re.compile(rf"{_NUMBER}\s*([A-Za-z]*)")
 _TOKENS_RE = re.compile(rf"{_NUMBER}\s*([kKmMgGtT]?)")
 
@@ -86,6 +94,10 @@ def parse_bytes(text: str | int) -> int:
         value = int(Fraction(number) * _BYTE_UNITS[key])
     if value <= 0:
         raise InvalidArgumentError(f"memory size must be positive, got {text!r}")
+    if value > MAX_BYTES:
+        raise InvalidArgumentError(
+            f"memory size {text!r} ({value:,} bytes) is above the limit of {format_bytes(MAX_BYTES)}; check the unit"
+        )
     return value
 
 
@@ -99,8 +111,8 @@ def parse_tokens(text: str | int) -> int:
         match = _TOKENS_RE.fullmatch(str(text).strip())
         if match is None:
             raise InvalidArgumentError(
-                f"invalid token count {text!r}; expected an integer with an optional suffix "
-                "k/m/g (x1000) or K/M/G (x1024), such as 128k or 1M"
+                f"invalid token count {text!r}; expected a whole number with an optional suffix "
+                "k/m/g/t (x1000, decimals allowed: 25.6k) or K/M/G/T (x1024), such as 128k or 1M"
             )
         number, suffix = match.groups()
         if suffix in _TOKEN_BINARY:
@@ -117,6 +129,8 @@ def parse_tokens(text: str | int) -> int:
             value = int(exact)
     if value <= 0:
         raise InvalidArgumentError(f"token count must be positive, got {text!r}")
+    if value > MAX_TOKENS:
+        raise InvalidArgumentError(f"token count {text!r} ({value:,}) is above the limit of {MAX_TOKENS:,} (1T)")
     return value
 
 

@@ -42,8 +42,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidArgumentError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise InvalidArgumentError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature < float("inf"):  # nan fails both comparisons
+            raise InvalidArgumentError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.top_k < 0:
             raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Sequence
 
 from hybridkv.errors import InvalidArgumentError
 from hybridkv.scheduler.simulator import SimulationResult
 
-__all__ = ["plot_results"]
+__all__ = ["check_plot_path", "plot_results"]
 
 
-def plot_results(results: Sequence[SimulationResult], path: str | Path, title: str = "") -> Path:
+def _pyplot():
     try:
         import matplotlib
 
@@ -19,9 +20,33 @@ def plot_results(results: Sequence[SimulationResult], path: str | Path, title: s
         import matplotlib.pyplot as plt
     except ImportError:
         raise InvalidArgumentError("--plot needs matplotlib: pip install 'hybridkv[plot]'") from None
+    return plt
+
+
+def check_plot_path(path: str | Path) -> Path:
+    """``path`` if a plot can be written there (call it before the run): matplotlib is
+    installed, the suffix is a format it writes, the folder exists and is writable."""
+    plt = _pyplot()
     path = Path(path)
-    if path.parent and not path.parent.exists():
-        raise InvalidArgumentError(f"cannot write {path}: folder {path.parent} does not exist")
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix not in formats:
+        shown = f"suffix .{suffix}" if suffix else "no suffix"
+        raise InvalidArgumentError(f"cannot plot to {path}: {shown}; use one of .{', .'.join(sorted(formats))}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise InvalidArgumentError(f"cannot write {path}: folder {folder} does not exist")
+    if path.is_dir():
+        raise InvalidArgumentError(f"cannot write {path}: it is a folder")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise InvalidArgumentError(f"cannot write {path}: permission denied")
+    return path
+
+
+def plot_results(results: Sequence[SimulationResult], path: str | Path, title: str = "") -> Path:
+    path = check_plot_path(path)
+    plt = _pyplot()
     fig, (ax_usage, ax_running) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for res in results:
         steps = range(len(res.usage))
@@ -36,6 +61,10 @@ def plot_results(results: Sequence[SimulationResult], path: str | Path, title: s
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise InvalidArgumentError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
     return path
