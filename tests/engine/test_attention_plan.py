@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from hybridkv.engine.attention_plan import PAD_SLACK, build_layout
@@ -71,3 +73,73 @@ def test_rows_and_tables_follow_seqs():
     table = long_tensor(range(30)).view(3, 10)
     slots = layout.key_slots(table, 4, check=False, group=0)[0].view(2, -1)
     assert slots[0, :4].tolist() == [table[2, 4].item() * 4 + i for i in range(4)]  # keys 16..19 of row 2
+
+
+# --- every step shape -----------------------------------------------------------------------
+
+
+def _slot(table, seq: int, pos: int, bs: int) -> int:
+    return int(table[seq, pos // bs]) * bs + pos % bs
+
+
+def _check_layout(kind, size, starts, q_lens, bs, seqs=None, num_rows=None):
+    """Every query token exactly once, reading exactly the slots of the keys it may see."""
+    rows = list(seqs) if seqs is not None else list(range(len(starts)))
+    num_rows = num_rows or len(starts)
+    layout = build_layout(kind, size, starts, q_lens, bs, CPU, seqs=seqs)
+    width = max(-(-(a + n) // bs) for a, n in zip(starts, q_lens))
+    table = long_tensor(range(1, 1 + num_rows * width)).view(num_rows, width)  # every block distinct
+    slots = layout.key_slots(table, bs, check=True, group=0)
+    want: dict[int, set[int]] = {}  # flat token -> the slots it must read
+    tok = 0
+    for s, a, n in zip(rows, starts, q_lens):
+        for p in range(a, a + n):
+            lo = {"full": 0, "sliding": max(0, p - (size or 1) + 1), "chunked": p // (size or 1) * (size or 1)}[kind]
+            want[tok] = {_slot(table, s, k, bs) for k in range(lo, p + 1)}
+            tok += 1
+    got: dict[int, set[int]] = {}
+    for b, k_slots in zip(layout.buckets, slots):
+        k_slots = k_slots.view(b.num, b.k).tolist()
+        seen = (b.bias()[:, 0] == 0).tolist()  # [B][Q][K]
+        q_rows = b.q_rows.tolist() if b.q_rows is not None else list(range(b.num))  # [B * Q]
+        real = range(b.num * b.q) if b.out_rows is None else b.out_rows.tolist()
+        for r in real:
+            i, j = divmod(r, b.q)
+            token = q_rows[r]
+            assert token not in got, f"token {token} computed twice"
+            got[token] = {slot for slot, ok in zip(k_slots[i], seen[i][j]) if ok}
+        # padded keys are live: within the segment's own key range
+        assert bool((b.k_pos <= b.k_pos[:, -1:]).all())
+    assert got == want
+    if layout.in_order:
+        assert list(got) == list(range(tok))
+    return layout
+
+
+def test_one_query_pieces_of_one_sequence_are_not_a_decode_step():
+    """Issue 10's crash: a step of only 1-query segments, more segments than sequences."""
+    _check_layout("sliding", 1, [0], [2], 16)  # Mistral window 1, a 2-token prompt
+    _check_layout("chunked", 5, [4], [2], 16)  # chunk 5, budget 2: tokens 4 | 5 cross a chunk
+    _check_layout("chunked", 5, [4, 9], [2, 1], 1)  # prefix hit of 4 + 2 new, next to a decode
+    _check_layout("chunked", 5, [9, 4], [1, 2], 1)
+    (b,) = _check_layout("sliding", 1, [0, 7], [3, 1], 4).buckets
+    assert b.seq.tolist() == [0, 0, 0, 1] and not b.all_seqs  # rows in token order, table rows by index
+
+
+def test_every_step_shape_reads_exactly_the_visible_keys():
+    """Seeded random steps: sizes 1..9, block 1..8, runs 1..20 from any position, any row order."""
+    rng = random.Random(10)
+    for _ in range(400):
+        kind = rng.choice(["full", "sliding", "chunked"])
+        size = None if kind == "full" else rng.randint(1, 9)
+        bs = rng.randint(1, 8)
+        num = rng.randint(1, 5)
+        starts = [rng.choice([0, rng.randint(0, 40)]) for _ in range(num)]
+        q_lens = [rng.choice([1, 1, 2, rng.randint(1, 20)]) for _ in range(num)]
+        _check_layout(kind, size, starts, q_lens, bs)
+        # the last-token layout: a subset of the rows, in any order, of a taller table
+        extra = rng.randint(0, 3)
+        seqs = rng.sample(range(num + extra), num)
+        if rng.random() < 0.3:
+            seqs = list(range(num))
+        _check_layout(kind, size, [a + n - 1 for a, n in zip(starts, q_lens)], [1] * num, bs, seqs, num + extra)

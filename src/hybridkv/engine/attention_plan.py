@@ -105,7 +105,7 @@ class Bucket:
     k: int
     causal: bool
     seq: torch.Tensor
-    all_seqs: bool  # seq is 0..S-1: block table rows need no index_select
+    all_seqs: bool  # seq is 0..B-1: the table's first B rows, no index_select
     k_pos: torch.Tensor
     k_block: torch.Tensor  # [B, K] k_pos // block_size
     k_offset: torch.Tensor  # [B, K] k_pos % block_size
@@ -120,8 +120,9 @@ class Bucket:
         got = self._biases.get("4d")
         if got is None:
             mask = self._mask
-            if mask is None:  # causal: row i sees keys j <= i
-                mask = torch.ones(self.q, self.k, dtype=torch.bool, device=self.k_pos.device).tril()
+            if mask is None:  # causal: row i sees keys j <= i (bool tril() is ~100x slower on CPU)
+                device = self.k_pos.device
+                mask = torch.arange(self.k, device=device) <= torch.arange(self.q, device=device).unsqueeze(1)
                 mask = mask.expand(self.num, self.q, self.k)
             got = torch.where(mask, 0.0, float("-inf")).to(torch.float32).unsqueeze(1)
             self._biases["4d"] = got
@@ -160,7 +161,7 @@ class Layout:
         """
         out = []
         for b in self.buckets:
-            rows = table if b.all_seqs else table.index_select(0, b.seq)  # [B, max_blocks]
+            rows = table[: b.num] if b.all_seqs else table.index_select(0, b.seq)  # [B, max_blocks]
             blocks = rows.gather(1, b.k_block)  # [B, K]
             if check:
                 null = blocks == 0
@@ -198,12 +199,10 @@ def build_layout(
         tok += n0
     buckets = []
     if single:  # one bucket: splitting decodes by key length was measured slower (more ops)
-        whole = not multi and len(single) == tok  # every token is a decode, in order
-        identity = seqs is None or list(seqs) == list(range(len(seqs)))
-        buckets.append(_bucket(kind, size, single, False, whole, whole and identity, block_size, device))
+        buckets.append(_bucket(kind, size, single, False, tok, block_size, device))
     for causal in (True, False):
         for group in _group([g for g in multi if g.causal == causal]):
-            buckets.append(_bucket(kind, size, group, causal, False, False, block_size, device))
+            buckets.append(_bucket(kind, size, group, causal, tok, block_size, device))
     return Layout(kind, size, buckets)
 
 
@@ -230,12 +229,23 @@ def _bucket(
     size: int | None,
     segs: list[_Segment],
     causal: bool,
-    whole: bool,
-    all_seqs: bool,
+    num_tokens: int,
     block_size: int,
     device: torch.device,
 ) -> Bucket:
-    """``whole``: the segments are tokens 0..T-1 in order; ``all_seqs``: segment b is table row b."""
+    """A bucket of ``segs`` from a step of ``num_tokens`` query tokens.
+
+    Both shortcuts are read off the segments themselves, never off the step's shape (a
+    step of only 1-query segments may still hold several segments of one sequence: a
+    2-token prefill with window 1, or one that crosses a chunk boundary):
+
+    * ``whole``: segment ``b`` is the single query token ``b`` and there are ``num_tokens``
+      of them (rows need no index_select, outputs no scatter);
+    * ``all_seqs``: segment ``b`` reads block table row ``b`` (the table's first ``B`` rows
+      need no index_select; ``gather`` reads only those rows of a taller table).
+    """
+    whole = len(segs) == num_tokens and all(g.n == 1 and g.tok == b for b, g in enumerate(segs))
+    all_seqs = all(g.seq == b for b, g in enumerate(segs))
     fields = [v for g in segs for v in (g.seq, g.tok, g.q_first, g.n, g.k_first, g.k_len)]
     seq, tok, q_first, n, k_first, k_len = long_tensor(fields, device).view(-1, 6).unbind(1)  # each [B]
     num, q, k = len(segs), max(g.n for g in segs), max(g.k_len for g in segs)
