@@ -28,9 +28,9 @@ Where HF is itself wrong the reference is changed, not the engine:
 After every step ``scheduler.check_invariants()`` runs, and every block no request holds
 and no prefix-cache entry names is filled with NaN (so is the whole pool at the start):
 a read of a stale or unwritten slot poisons the logits. Storage debug checks refuse
-null-block reads and writes. ``PoolTooSmallError`` for a tight or default pool (the
-scheduler's per-request bound is larger) makes the case retry with a bigger pool; each family's cases must
-together show preemptions, prefix hits and both caching modes.
+null-block reads and writes. Tight pools hold exactly the largest request by the specs' one
+per-request bound (+0-2 blocks), so ``PoolTooSmallError`` is a failure; each family's cases
+must together show preemptions, prefix hits and both caching modes.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from _hf_tiny import _redraw
 from hybridkv.core.specs import cdiv
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.models import model_class_for
-from hybridkv.errors import PoolTooSmallError
 from hybridkv.scheduler import SamplingParams
 
 TOL = 1e-4  # max |engine logit - HF logit|
@@ -271,20 +270,13 @@ def _engine(model, case: Case, num_blocks: int | None) -> LLMEngine:
 
 def _pools(model, case: Case) -> tuple[int, int]:
     """(roomy, tight) pool sizes. Roomy: every request at its peak at once, x4. Tight: the
-    largest request's peak and 0-2 blocks (so requests that overlap preempt one another;
-    a rough bound: the scheduler's own may be larger, see run_case)."""
-    totals = [len(p) + n for _, p, n in case.requests]
+    largest request's peak by the specs' one per-request bound (what the scheduler admits
+    against) and 0-2 blocks, so requests that overlap preempt one another."""
+    totals = [min(len(p) + n, MAX_LEN) for _, p, n in case.requests]
     roomy = 1 + 4 * model.num_layers * cdiv(max(totals), case.block) * len(totals)
-    groups = _engine(model, case, roomy).kv_cache_config.groups
-    peaks = []
-    for total in totals:
-        blocks = 0
-        for group in groups:
-            local = getattr(group.spec, "sliding_window", None) or getattr(group.spec, "attention_chunk_size", None)
-            full = cdiv(total, case.block)
-            blocks += full if local is None else min(full, cdiv(local + case.budget, case.block) + 1)
-        peaks.append(blocks)
-    return roomy, 1 + max(peaks) + random.Random(str(case)).randint(0, 2)
+    scheduler = _engine(model, case, roomy).scheduler
+    peak = max(scheduler.peak_blocks(total) for total in totals)
+    return roomy, 1 + peak + random.Random(str(case)).randint(0, 2)
 
 
 # ------------------------------------------------------------------------- driving
@@ -336,12 +328,9 @@ def run_case(variants, case: Case) -> Run:
     v = variants(case.family, case.size)
     roomy, tight = _pools(v.model, case)
     num_blocks = {"tight": tight, "roomy": roomy, "default": None}[case.pool]
-    while True:
-        try:
-            return drive(v.model, case, num_blocks)
-        except PoolTooSmallError:  # the scheduler's own per-request bound is larger: a bigger pool
-            case.note.append(f"PoolTooSmallError at {num_blocks} blocks")
-            num_blocks = roomy if num_blocks is None else num_blocks + 1 + num_blocks // 8
+    # never PoolTooSmallError: the default and the tight pool hold the largest request by the
+    # same bound the scheduler admits against
+    return drive(v.model, case, num_blocks)
 
 
 def check_case(variants, case: Case, run: Run) -> None:
