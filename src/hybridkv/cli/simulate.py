@@ -96,6 +96,7 @@ def render_results(title: str, results: list[SimulationResult]) -> str:
     lines = [title, f"{'':<{width}}  " + "  ".join(f"{s['layout']:>12}" for s in summaries)]
     for label, key, fmt in ROWS:
         lines.append(f"{label:<{width}}  " + "  ".join(f"{fmt.format(s[key]):>12}" for s in summaries))
+    lines.append(f"{'admission':<{width}}  {summaries[0]['admission']}")
     hybrid, full = summaries
     if hybrid["steps"]:
         lines.append(f"full / hybrid steps: {full['steps'] / hybrid['steps']:.2f}x")

@@ -52,6 +52,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    admission: str = "full_prompt"  # SchedulerConfig.admission (vLLM's default; or "first_chunk")
     enable_prefix_caching: bool = True
     group_size: int | None = None  # default: the planner's choice
     dtype: str = "float32"
@@ -110,6 +111,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
+                admission=config.admission,
             ),
         )
         self.storage = PagedKVStorage(

@@ -1,13 +1,22 @@
 """Continuous batching over a hybrid KV cache: chunked prefill, prefix hits, preemption.
 
-Each ``schedule()`` spends a token budget (``max_num_batched_tokens``):
+Schedules as vLLM v1's ``Scheduler`` does by default (FCFS, no spec decode, one batch in
+flight); ``benchmarks/vs_vllm_scheduler.py`` checks it decision by decision against
+vLLM 0.33. Each ``schedule()`` spends a token budget (``max_num_batched_tokens``):
 
 1. Running requests first, in admission order: a decode token, or the next chunk of
-   an unfinished prefill. If the pool cannot hold a request's new slots, the most
-   recently admitted running request is preempted (its blocks freed, back to the
-   front of the waiting queue, recomputed later: nothing is lost) until it fits.
+   an unfinished prefill, at most ``max_model_len - num_computed_tokens - 1`` tokens
+   (the token sampled after them must still fit). If the pool cannot hold a request's
+   new slots, the most recently admitted running request is preempted (its blocks
+   freed, back to the front of the waiting queue, recomputed later: nothing is lost)
+   until it fits; if it preempted itself, no later running request is scheduled.
 2. Then, if nobody was preempted this step, waiting requests are admitted in order
-   with their prefix-cache hit, while budget, ``max_num_seqs`` and blocks allow.
+   (preempted ones first, oldest first, then new ones by arrival) with their
+   prefix-cache hit, while budget, ``max_num_seqs`` and blocks allow. The first that
+   does not fit stops admission (no skipping ahead). ``SchedulerConfig.admission``
+   says what must fit: the whole prompt, each windowed group at most at its spec's
+   per-request bound (``"full_prompt"``, vLLM's default), or only the first chunk
+   (``"first_chunk"``).
 
 ``allocate_slots`` frees the blocks no future token attends to (outside the window /
 before the current chunk) as requests advance, so chunked and sliding groups hand
@@ -26,7 +35,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence as Seq
 
-from hybridkv.core.kv_cache_manager import KVCacheManager
+from hybridkv.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from hybridkv.core.request import Request
 from hybridkv.errors import (
     DuplicateRequestError,
     InvalidArgumentError,
@@ -59,6 +69,13 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_since_last: list[str] = []
         self._usable_blocks = kv_cache_manager.kv_cache_config.num_blocks - 1
+        # full_prompt admission: each manager's per-request cap in tokens (its spec's one
+        # bound at this budget, in whole blocks), as vLLM caps sliding / chunked groups
+        bs = kv_cache_manager.block_size
+        self._admission_caps = [
+            (m, m.spec.max_num_blocks(config.max_model_len, config.max_num_batched_tokens) * bs)
+            for m in kv_cache_manager.coordinator.managers
+        ]
 
     # -------------------------------------------------------------- requests
     def add_request(
@@ -68,16 +85,16 @@ class Scheduler:
         sampling: SamplingParams | None = None,
         **extra,
     ) -> Sequence:
-        """Queue a request. Typed errors (nothing queued) for a duplicate id, an empty or
-        too long prompt, or a request the pool could never hold on its own."""
+        """Queue a request. Typed errors (nothing queued) for a duplicate id, an empty
+        prompt, a prompt of ``max_model_len`` tokens or more (one output token must fit,
+        as vLLM requires), or a request the pool could never hold on its own."""
         if request_id in self.sequences:
             raise DuplicateRequestError(f"request {request_id!r} already exists")
         sampling = sampling or SamplingParams()
-        if len(prompt_token_ids) > self.config.max_model_len:
-            raise PromptTooLongError(
-                f"request {request_id!r}: prompt of {len(prompt_token_ids)} tokens exceeds max_model_len "
-                f"{self.config.max_model_len}"
-            )
+        num_prompt, max_len = len(prompt_token_ids), self.config.max_model_len
+        if num_prompt >= max_len:
+            why = "exceeds" if num_prompt > max_len else "leaves no room for an output token within"
+            raise PromptTooLongError(f"request {request_id!r}: prompt of {num_prompt} tokens {why} max_model_len {max_len}")
         total = min(len(prompt_token_ids) + sampling.max_tokens, self.config.max_model_len)
         peak = self.peak_blocks(total)
         if peak > self._usable_blocks:
@@ -134,7 +151,7 @@ class Scheduler:
             seq = self.running[i]
             req = seq.request
             computed = req.num_computed_tokens
-            num_new = min(req.num_tokens - computed, budget, max_len - computed)
+            num_new = min(req.num_tokens - computed, budget, max_len - computed - 1)
             if num_new <= 0:
                 i += 1
                 continue
@@ -151,12 +168,14 @@ class Scheduler:
             i += 1
 
         if not preempted:
+            full_prompt = self.config.admission == "full_prompt"
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
                 req = seq.request
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
                 num_new = min(req.num_tokens - num_hit, budget)
-                if kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
+                fits = not full_prompt or self.blocks_to_admit(req, hit_blocks, num_hit) <= kv.num_free_blocks
+                if not fits or kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
                     if not self.running:
                         raise PoolTooSmallError(
                             f"request {req.request_id!r} does not fit an otherwise empty pool of "
@@ -205,6 +224,25 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def blocks_to_admit(self, request: Request, hit_blocks: KVCacheBlocks | None = None, num_hit: int = 0) -> int:
+        """Free blocks a waiting request (holding none) needs to be admitted under ``"full_prompt"``.
+
+        Per manager (vLLM's ``full_sequence_must_fit`` gate): blocks for all its tokens,
+        at most the spec's per-request bound, less the hit blocks it keeps, plus the
+        hit blocks that are free now (adopting them takes them from the free queue).
+        Block 4, full + chunked 8 groups, budget 4: the chunked bound is 3 blocks, so a
+        20-token prompt with no hit needs 5 + 3 = 8 blocks; its first chunk only 2.
+        """
+        rid = request.request_id
+        if self.kv.has_request(rid):
+            raise InvalidArgumentError(f"request {rid!r} already holds blocks; admission is for waiting requests")
+        num_tokens = min(request.num_tokens, self.config.max_model_len)
+        hit = self.kv.coordinator.hit_of(hit_blocks.blocks) if num_hit and hit_blocks is not None else {}
+        return sum(
+            m.get_num_blocks_to_allocate(rid, min(num_tokens, cap), hit.get(m), num_hit)
+            for m, cap in self._admission_caps
+        )
 
     # --------------------------------------------------------------- results
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:

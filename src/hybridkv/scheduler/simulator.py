@@ -1,8 +1,10 @@
 """Trace-driven simulation: the same requests through a hybrid and an all-full KV cache.
 
 Both runs use the same byte budget (the planner's two layouts), the same scheduler
-limits and the fake runner, so the only difference is how many blocks the KV cache
-has and which ones it can give back. Per step the simulator records KV usage (the
+limits and admission policy (``SchedulerConfig.admission``, vLLM's default
+``"full_prompt"`` unless told otherwise; each result names it) and the fake runner,
+so the only difference is how many blocks the KV cache has and which ones it can
+give back. Per step the simulator records KV usage (the
 fraction of the pool's bytes that requests hold) and the number of running requests.
 """
 
@@ -32,6 +34,7 @@ class SimulationResult:
     name: str
     num_blocks: int
     bytes_per_block: int
+    admission: str = "full_prompt"  # the scheduler's admission policy (SchedulerConfig.admission)
     steps: int = 0
     finished: int = 0
     rejected: list[str] = field(default_factory=list)
@@ -71,6 +74,7 @@ class SimulationResult:
     def summary(self) -> dict:
         return {
             "layout": self.name,
+            "admission": self.admission,
             "num_blocks": self.num_blocks,
             "steps": self.steps,
             "finished": self.finished,
@@ -134,7 +138,7 @@ def simulate(
     )
     sched = Scheduler(kv, scheduler_config)
     runner = FakeRunner()
-    result = SimulationResult(name, kv_cache_config.num_blocks, bytes_per_block)
+    result = SimulationResult(name, kv_cache_config.num_blocks, bytes_per_block, scheduler_config.admission)
     pending = sorted(trace, key=lambda r: r.arrival_step)
     usable = kv_cache_config.num_blocks - 1
     bar = Progress(len(pending), name, progress)
