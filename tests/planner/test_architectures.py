@@ -110,10 +110,13 @@ def mistral(**kw):
             "hidden_size": 64, **kw}
 
 
-def test_mistral_null_window_is_full_and_layer_types_pick():
+def test_mistral_null_window_is_full_and_layer_types_are_checked_not_used():
     assert kinds(model_layers(mistral(sliding_window=None))) == ["F", "F"]
+    # transformers' MistralModel builds one mask for every layer (and warns to use Ministral)
     assert kinds(model_layers(mistral(sliding_window=16, layer_types=["sliding_attention", "full_attention"]))) == [
-        "S16", "F"]
+        "S16", "S16"]
+    with pytest.raises(InvalidConfigError, match=r"layer_types\[1\] is 'local'"):
+        model_layers(mistral(layer_types=["full_attention", "local"]))
     m = model_layers(mistral())
     assert kinds(m) == ["S4096", "S4096"]  # MistralConfig's default window
     assert (m.head_dim, m.num_kv_heads) == (32, 8)
@@ -133,7 +136,11 @@ def test_qwen_sliding_needs_use_sliding_window():
 
 def test_qwen_layer_types():
     types = ["sliding_attention", "full_attention"] * 2
-    assert kinds(model_layers(qwen(layer_types=types, sliding_window=32))) == ["F"] * 4  # window off -> full
+    # window off: transformers sets sliding_window to None and then fails on the sliding layers
+    with pytest.raises(InvalidConfigError, match=r"^config: layer 0 is sliding_attention \(layer_types\) but "
+                       r"sliding_window is null \(use_sliding_window is false"):
+        model_layers(qwen(layer_types=types, sliding_window=32))
+    assert kinds(model_layers(qwen(layer_types=["attention", "full_attention"] * 2))) == ["F"] * 4  # legacy name
     assert kinds(model_layers(qwen(layer_types=types, sliding_window=32, use_sliding_window=True))) == [
         "S32", "F", "S32", "F"]
 
