@@ -48,7 +48,7 @@ def test_layer_attention_types_per_family(tiny_models):
         "qwen2": [("full", None)] * 2 + [("sliding", 16)] * 2,  # layers >= max_window_layers slide
         "gpt_oss": [("sliding", 12), ("full", None)] * 2,
         "qwen3": [("full", None)] + [("sliding", 14)] * 3,
-        "gemma3_mm": [("sliding", 12)] * 5 + [("full", None), ("sliding", 12)],  # Gemma3TextConfig's pattern 6
+        "gemma3_mm": [("sliding", 12)] * 5 + [("full", None)],  # Gemma3TextConfig's pattern 6
         "llama4_mm": [("chunked", 20)] * 3 + [("full", None)],
     }
     for arch, types in expect.items():
