@@ -246,6 +246,16 @@ def test_multimodal_checkpoint_problems_are_named(tiny_models, tmp_path):
         load_model(twice)
 
 
+def test_multimodal_config_errors_name_the_nested_key(tiny_models, tmp_path):
+    path = _copy(tiny_models, "llama4_mm", tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["attention_chunk_size"] = None  # layer_types still says chunked_attention
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidConfigError, match=r"config.json: layer 0 is chunked_attention \(layer_types\) but "
+                                                 r"text_config.attention_chunk_size is null"):
+        load_model(path)
+
+
 def test_vision_tensors_are_only_skipped_in_multimodal_checkpoints(tiny_models, tmp_path):
     path = _copy(tiny_models, "llama4_dense", tmp_path)
     _edit_weights(path, lambda w: w.update({"vision_model.class_embedding": torch.zeros(2)}))

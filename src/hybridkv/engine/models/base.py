@@ -228,6 +228,7 @@ class CausalLM(nn.Module):
         """
         label = f"{Path(model_dir) / 'config.json'}"
         multimodal = config.get("text_config") is not None
+        model_layers(config, family=cls.family, label=label)  # errors name the file's keys (text_config.x)
         config = language_model_config(config, family=cls.family, label=label)
         eos = eos_token_ids(config, model_dir)  # a bad generation_config.json fails before the load
         with torch.device("meta"):
