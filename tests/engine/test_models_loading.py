@@ -10,11 +10,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybridkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
-from hybridkv.engine.attention import FULL, AttentionType
-from hybridkv.engine.models import Llama4ForCausalLM, Qwen2ForCausalLM, load_model, model_class_for
-from hybridkv.engine.models.base import attention_types
+from hybridkv.engine.models import (
+    MODEL_CLASSES,
+    Gemma3ForCausalLM,
+    Llama4ForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    load_model,
+    model_class_for,
+)
+from hybridkv.engine.models.rope import inv_freq_and_scale
 from hybridkv.engine.models.weights import eos_token_ids
 from hybridkv.errors import InvalidConfigError, UnknownArchitectureError, WeightLoadError
+from hybridkv.planner.architectures import FAMILIES, model_layers
 
 
 def _copy(tiny_models, arch, tmp_path):
@@ -39,10 +47,16 @@ def test_layer_attention_types_per_family(tiny_models):
         "mistral": [("sliding", 10)] * 4,
         "qwen2": [("full", None)] * 2 + [("sliding", 16)] * 2,  # layers >= max_window_layers slide
         "gpt_oss": [("sliding", 12), ("full", None)] * 2,
+        "qwen3": [("full", None)] + [("sliding", 14)] * 3,
+        "gemma3_mm": [("sliding", 12)] * 5 + [("full", None)],  # Gemma3TextConfig's pattern 6
+        "llama4_mm": [("chunked", 20)] * 3 + [("full", None)],
     }
     for arch, types in expect.items():
         path, _ = tiny_models(arch)
-        assert load_model(path).layer_attention_types() == types, arch
+        model = load_model(path)
+        assert model.layer_attention_types() == types, arch
+        # the planner reads the same checkpoint the same way
+        assert [tuple(k) for k in model_layers(json.loads((path / "config.json").read_text())).kinds] == types, arch
 
 
 def test_kv_cache_specs(tiny_models):
@@ -97,7 +111,10 @@ def test_no_weights_or_config(tmp_path):
     with pytest.raises(InvalidConfigError, match="config.json"):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(InvalidConfigError, match="hidden_size"):
+    with pytest.raises(InvalidConfigError, match=r"config.json: num_hidden_layers is missing$"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2}))
+    with pytest.raises(InvalidConfigError, match=r"config.json: hidden_size is missing$"):
         load_model(tmp_path)
 
 
@@ -109,7 +126,8 @@ def test_unknown_architecture_lists_supported():
 
 
 def _qwen_config(**kw):
-    base = dict(hidden_size=32, vocab_size=16, num_hidden_layers=4, num_attention_heads=2, intermediate_size=8)
+    base = dict(hidden_size=32, vocab_size=16, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+                intermediate_size=8)
     return {**base, **kw}
 
 
@@ -119,7 +137,8 @@ def test_qwen2_sliding_rules():
         on = Qwen2ForCausalLM(_qwen_config(sliding_window=8, max_window_layers=1, use_sliding_window=True))
     assert off.layer_attention_types() == [("full", None)] * 4
     assert on.layer_attention_types() == [("full", None)] + [("sliding", 8)] * 3
-    with pytest.raises(InvalidConfigError, match="use_sliding_window"):
+    # transformers builds this config, then fails on its first forward; so does the planner, the engine asks it
+    with pytest.raises(InvalidConfigError, match="use_sliding_window is false.*transformers cannot run such a layer"):
         Qwen2ForCausalLM(_qwen_config(sliding_window=8, layer_types=["sliding_attention"] * 4))
 
 
@@ -135,17 +154,124 @@ def test_llama4_defaults_follow_hf():
     assert dense.moe_layers == set()
 
 
-def test_attention_types_from_layer_types():
-    names = ["sliding_attention", "full_attention", "chunked_attention"]
-    assert attention_types(names, 3, "X", sliding_window=4, attention_chunk_size=8) == [
-        AttentionType("sliding", 4), FULL, AttentionType("chunked", 8)
-    ]
-    with pytest.raises(InvalidConfigError, match="layer 2: unsupported X layer type 'chunked_attention'"):
-        attention_types(names, 3, "X", sliding_window=4)
-    with pytest.raises(InvalidConfigError, match=r"layer 0 is sliding_attention but the config has no sliding_window \(why\)"):
-        attention_types(names, 3, "X", hint=" (why)", sliding_window=None, attention_chunk_size=8)
-    with pytest.raises(InvalidConfigError, match="layer_types has 3 entries for 4 layers"):
-        attention_types(names, 4, "X", sliding_window=4, attention_chunk_size=8)
+def test_every_planner_family_has_an_engine_class():
+    assert sorted(cls.family for cls in MODEL_CLASSES) == sorted(f.name for f in FAMILIES)
+    for family in FAMILIES:
+        for arch in family.architectures:
+            assert model_class_for({"architectures": [arch]}).family == family.name
+    assert model_class_for({"architectures": ["Qwen3ForCausalLM"]}) is Qwen3ForCausalLM
+    assert model_class_for({"model_type": "gemma3"}) is Gemma3ForCausalLM
+
+
+def test_engine_layers_are_the_planners():
+    """The engine takes each layer's kind from the planner's parser (one rule for layer_types)."""
+    cfg = _qwen_config(num_hidden_layers=5, use_sliding_window=True, sliding_window=6,
+                       layer_types=["full_attention", "sliding_attention", "attention", "sliding_attention",
+                                    "full_attention"])
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    want = model_layers({"architectures": ["Qwen2ForCausalLM"], **cfg}, block_size=4, dtype="float32")
+    assert model.layer_attention_types() == [tuple(k) for k in want.kinds]
+    assert model.layer_attention_types() == [("full", None), ("sliding", 6), ("full", None), ("sliding", 6),
+                                             ("full", None)]
+    assert model.kv_cache_specs(4, "float32") == list(want.specs)
+    with pytest.raises(InvalidConfigError, match=r"layer_types\[1\] is 'chunked_attention'; expected one of"):
+        with torch.device("meta"):
+            Qwen2ForCausalLM({**cfg, "layer_types": ["full_attention", "chunked_attention"] + ["full_attention"] * 3})
+
+
+def test_gemma3_4b_shaped_config_gets_transformers_defaults(tiny_models):
+    """gemma-3-4b-it's text_config omits heads, KV heads, head_dim, query_pre_attn_scalar, rope_parameters."""
+    path, hf = tiny_models("gemma3_mm")
+    text = json.loads((path / "config.json").read_text())["text_config"]
+    assert not {"num_attention_heads", "num_key_value_heads", "head_dim", "query_pre_attn_scalar"} & set(text)
+    model = load_model(path)
+    hf_text = hf.config.text_config
+    assert (model.num_heads, model.num_kv_heads, model.head_dim) == (8, 4, 256) == (
+        hf_text.num_attention_heads, hf_text.num_key_value_heads, hf_text.head_dim)
+    assert model.model.layers[0].self_attn.scale == 256**-0.5
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # Gemma3Config ties by default
+    # old-format rope_scaling (linear, factor 8) on the full layers only, default thetas 1e6 / 1e4
+    default = {"rope_type": "default"}
+    full = inv_freq_and_scale({**default, "rope_theta": 1e6}, 256, 1)[0] / 8
+    local = inv_freq_and_scale({**default, "rope_theta": 1e4}, 256, 1)[0]
+    assert torch.allclose(model.rotaries["full_attention"].inv_freq, full)
+    assert torch.equal(model.rotaries["sliding_attention"].inv_freq, local)
+
+
+def _relayout(src, dst, renames):
+    """Copy checkpoint ``src`` to ``dst`` with its tensor names rewritten by ``renames`` (prefix pairs)."""
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    out = {}
+    for name, tensor in weights.items():
+        for old, new in renames:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        out[name] = tensor
+    save_file(out, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("arch", ["gemma3_mm", "llama4_mm"])
+def test_multimodal_checkpoint_layouts_load_the_same(arch, tiny_models, tmp_path):
+    """transformers 5.24 writes ``language_model.model.*`` (checked here); 4.52-4.57 wrote
+    ``model.language_model.*`` with ``lm_head`` and the vision tower under ``model.``: both load."""
+    path, _ = tiny_models(arch)
+    names = set(load_file(str(path / "model.safetensors")))
+    assert any(n.startswith("language_model.model.layers.0.") for n in names)
+    assert any(n.startswith(("vision_tower.", "vision_model.")) for n in names)
+    assert ("language_model.lm_head.weight" in names) == (arch == "llama4_mm")  # Gemma 3 ties it
+    new = _relayout(path, tmp_path / "new", [
+        ("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+        ("vision_tower.", "model.vision_tower."), ("vision_model.", "model.vision_model."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+    ])
+    a, b = load_model(path).state_dict(), load_model(new).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_multimodal_checkpoint_problems_are_named(tiny_models, tmp_path):
+    bad = _copy(tiny_models, "llama4_mm", tmp_path)
+    _edit_weights(bad, lambda w: (w.pop("language_model.model.norm.weight"),
+                                  w.update({"language_model.model.extra.weight": torch.zeros(2)})))
+    with pytest.raises(WeightLoadError, match=r"unknown tensors: language_model.model.extra.weight; "
+                                              r"missing tensors: model.norm.weight$"):
+        load_model(bad)
+    twice = _copy(tiny_models, "llama4_mm", tmp_path / "twice")
+    norm = "language_model.model.norm.weight"
+    _edit_weights(twice, lambda w: w.update({"model.language_model.norm.weight": w[norm].clone()}))
+    with pytest.raises(WeightLoadError, match="tensors stored twice: "):
+        load_model(twice)
+
+
+def test_multimodal_config_errors_name_the_nested_key(tiny_models, tmp_path):
+    path = _copy(tiny_models, "llama4_mm", tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["attention_chunk_size"] = None  # layer_types still says chunked_attention
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidConfigError, match=r"config.json: layer 0 is chunked_attention \(layer_types\) but "
+                                                 r"text_config.attention_chunk_size is null"):
+        load_model(path)
+
+
+def test_vision_tensors_are_only_skipped_in_multimodal_checkpoints(tiny_models, tmp_path):
+    path = _copy(tiny_models, "llama4_dense", tmp_path)
+    _edit_weights(path, lambda w: w.update({"vision_model.class_embedding": torch.zeros(2)}))
+    with pytest.raises(WeightLoadError, match="unknown tensors: vision_model.class_embedding"):
+        load_model(path)
+
+
+def test_multimodal_eos_and_tie_come_from_the_top_level():
+    text = dict(hidden_size=32, vocab_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=8,
+                num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+    top = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "text_config": text}
+    with torch.device("meta"):
+        tied = Gemma3ForCausalLM(top)
+        untied = Gemma3ForCausalLM({**top, "tie_word_embeddings": False})
+    assert tied.tie_word_embeddings and not untied.tie_word_embeddings  # transformers ties by the top-level flag
+    assert tied.eos_token_ids == (1, 106)
 
 
 def test_decoder_layers_keep_hf_names(tiny_models):

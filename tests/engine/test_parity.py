@@ -6,6 +6,12 @@
     blocks replaced by the null block, NaN-poisoned free blocks, prefix sharing and
     preemption) vs HF ``generate(do_sample=False)``: identical tokens, per-step
     logits within 1e-4.
+
+Every family, plus (``EXTRA_CONFIGS``) Qwen3 and the language model of transformers'
+own multimodal checkpoints (``gemma3_mm``: a config cut down to gemma-3-4b-it's keys;
+``llama4_mm``). The scheduling-heavy cases (prefix sharing, preemption, and
+test_engine's) exercise the engine rather than the model, so they run on ``CONFIGS``
+only; the extra ones get (a), (b) with chunked prefill and one ``LLMEngine.generate`` run.
 """
 
 from __future__ import annotations
@@ -13,13 +19,16 @@ from __future__ import annotations
 import pytest
 import torch
 from _engine_driver import Req, run_engine
-from _hf_tiny import CONFIGS, hf_generate
+from _hf_tiny import CONFIGS, EXTRA_CONFIGS, hf_generate
 
 from hybridkv.engine.attention import AttentionMetadata, AttentionType
+from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.engine.models import load_model
+from hybridkv.scheduler import SamplingParams
 
-ARCHS = list(CONFIGS)
+ENGINE_ARCHS = list(CONFIGS)
+ARCHS = ENGINE_ARCHS + list(EXTRA_CONFIGS)
 TOL = 1e-4
 NEW_TOKENS = 16
 
@@ -95,7 +104,7 @@ def test_greedy_batched_chunked_prefill(arch, arch_refs):
     assert (result.blocks.stats.nulled_blocks > 0) == local
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_greedy_shared_prefixes(arch, arch_refs):
     """Block 4, one layer per group, later requests start from another request's blocks."""
     model, refs = arch_refs(arch)
@@ -110,7 +119,7 @@ def test_greedy_shared_prefixes(arch, arch_refs):
     assert result.blocks.stats.shared_tokens >= 40
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_greedy_under_preemption(arch, arch_refs):
     """A pool that holds one request but not three: requests are preempted and recomputed."""
     model, refs = arch_refs(arch)
@@ -143,3 +152,13 @@ def test_wrong_window_or_chunk_is_detected(arch, arch_refs, tiny_models):
         for a, t in zip(attns, saved):
             a.attn_type = t
     assert (got - want).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("arch", list(EXTRA_CONFIGS))
+def test_llm_engine_generates_as_hf(arch, tiny_models, arch_refs):
+    """``LLMEngine`` (what ``hybridkv generate`` runs) on the checkpoint directory: HF's greedy tokens."""
+    path, _ = tiny_models(arch)
+    _, refs = arch_refs(arch)
+    engine = LLMEngine(path, EngineConfig(block_size=8, num_blocks=64, max_num_batched_tokens=32, max_model_len=128))
+    outs = engine.generate([PROMPTS["A"], PROMPTS["C"]], SamplingParams(max_tokens=NEW_TOKENS))
+    assert [list(o.output_token_ids) for o in outs] == [refs["A"][0], refs["C"][0]]

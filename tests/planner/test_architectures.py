@@ -2,7 +2,7 @@ import pytest
 
 from hybridkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, UnknownArchitectureError
-from hybridkv.planner.architectures import find_family, model_layers, supported_architectures
+from hybridkv.planner.architectures import find_family, language_model_config, model_layers, supported_architectures
 from hybridkv.planner.presets import load_model_config
 
 
@@ -110,10 +110,13 @@ def mistral(**kw):
             "hidden_size": 64, **kw}
 
 
-def test_mistral_null_window_is_full_and_layer_types_pick():
+def test_mistral_null_window_is_full_and_layer_types_are_checked_not_used():
     assert kinds(model_layers(mistral(sliding_window=None))) == ["F", "F"]
+    # transformers' MistralModel builds one mask for every layer (and warns to use Ministral)
     assert kinds(model_layers(mistral(sliding_window=16, layer_types=["sliding_attention", "full_attention"]))) == [
-        "S16", "F"]
+        "S16", "S16"]
+    with pytest.raises(InvalidConfigError, match=r"layer_types\[1\] is 'local'"):
+        model_layers(mistral(layer_types=["full_attention", "local"]))
     m = model_layers(mistral())
     assert kinds(m) == ["S4096", "S4096"]  # MistralConfig's default window
     assert (m.head_dim, m.num_kv_heads) == (32, 8)
@@ -133,7 +136,11 @@ def test_qwen_sliding_needs_use_sliding_window():
 
 def test_qwen_layer_types():
     types = ["sliding_attention", "full_attention"] * 2
-    assert kinds(model_layers(qwen(layer_types=types, sliding_window=32))) == ["F"] * 4  # window off -> full
+    # window off: transformers sets sliding_window to None and then fails on the sliding layers
+    with pytest.raises(InvalidConfigError, match=r"^config: layer 0 is sliding_attention \(layer_types\) but "
+                       r"sliding_window is null \(use_sliding_window is false"):
+        model_layers(qwen(layer_types=types, sliding_window=32))
+    assert kinds(model_layers(qwen(layer_types=["attention", "full_attention"] * 2))) == ["F"] * 4  # legacy name
     assert kinds(model_layers(qwen(layer_types=types, sliding_window=32, use_sliding_window=True))) == [
         "S32", "F", "S32", "F"]
 
@@ -206,3 +213,36 @@ def test_missing_and_malformed_keys_name_key_and_file():
         model_layers({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": [1]})
     with pytest.raises(InvalidConfigError, match=r"hidden_size \(100\) is not a multiple of num_attention_heads \(3\)"):
         model_layers({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 3, "hidden_size": 100})
+
+
+def test_language_model_config_flattens_and_fills_transformers_defaults():
+    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "torch_dtype": "bfloat16",
+           "text_config": {"num_hidden_layers": 34, "hidden_size": 2560, "sliding_window": 1024}}
+    text = language_model_config(cfg)
+    assert (text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]) == (8, 4, 256)
+    assert (text["sliding_window"], text["query_pre_attn_scalar"], text["vocab_size"]) == (1024, 256, 262_208)
+    assert text["eos_token_id"] == [1, 106] and text["torch_dtype"] == "bfloat16"
+    assert text["tie_word_embeddings"] is True  # Gemma3Config's (top-level) default
+    assert language_model_config({**cfg, "tie_word_embeddings": False})["tie_word_embeddings"] is False
+    scout = language_model_config(load_model_config("llama4-scout").config)
+    assert scout["tie_word_embeddings"] is False and scout["attention_chunk_size"] == 8192
+    # a flat config: its own keys win, null stays null; the input is not changed
+    flat = {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64, "sliding_window": None}
+    out = language_model_config(flat)
+    assert out["sliding_window"] is None and out["head_dim"] == 128 and "head_dim" not in flat
+    assert model_layers(out, family="qwen3").kinds == model_layers(flat).kinds
+
+
+def test_local_layer_without_size_is_refused_like_transformers():
+    with pytest.raises(InvalidConfigError, match=r"^config: layer 0 is sliding_attention \(every layer but each 6th, "
+                       r"by sliding_window_pattern\) but sliding_window is null; transformers cannot run"):
+        model_layers(gemma3_text(sliding_window=None))
+    assert kinds(model_layers(gemma3_text(sliding_window=None, sliding_window_pattern=1))) == ["F"] * 4
+    with pytest.raises(InvalidConfigError, match=r"layer 0 is sliding_attention \(even layers"):
+        model_layers(qwen("GptOssForCausalLM", sliding_window=None))
+    with pytest.raises(InvalidConfigError, match=r"layer 1 is chunked_attention \(layer_types\) but "
+                       r"text_config.attention_chunk_size is null"):
+        model_layers(llama4(attention_chunk_size=None, layer_types=["full_attention", "chunked_attention"] * 2))
+    with pytest.raises(InvalidConfigError, match=r"layer_types\[0\] is 'chunked_attention'; expected one of "
+                       r"\['attention', 'full_attention', 'sliding_attention'\]"):
+        model_layers(gemma3_text(layer_types=["chunked_attention"] * 4))

@@ -1,63 +1,88 @@
 """Per-layer KV cache specs from a Hugging Face ``config.json``, one function per family.
 
+This module is the one reader of a model's attention layout: the planner plans from
+:func:`model_layers` and the engine builds each attention layer from the same
+:class:`LayerKind` list (``engine/models/base.py`` asks :func:`model_layers`), so the
+two cannot disagree.
+
 A family is picked by the config's ``architectures`` entries, then its ``model_type``
 (top level, then ``text_config``). Each family reads the keys transformers 5.24's
-config class reads and, for a key that is absent, uses that class's default:
+config class reads and, for a key that is absent, uses that class's default
+(:mod:`~hybridkv.planner.hf_defaults`):
 
 * **Llama 4** (iRoPE): ``no_rope_layers[i] == 1`` means layer i uses RoPE and is
   chunked local attention over ``attention_chunk_size`` (8192) tokens; 0 means a
   NoPE layer with full attention. An empty or absent list means every 4th layer
-  (``(i + 1) % no_rope_layer_interval == 0``) is NoPE. ``layer_types``
-  ("chunked_attention" / "full_attention") wins when present.
-  Scout: 48 layers -> layers 3, 7, ..., 47 full (12), the other 36 chunked.
+  (``(i + 1) % no_rope_layer_interval == 0``) is NoPE; ``attention_chunk_size: null``
+  makes every layer full. ``layer_types`` ("chunked_attention" / "full_attention") wins
+  when present. Scout: 48 layers -> layers 3, 7, ..., 47 full (12), the other 36 chunked.
 * **Gemma 3**: ``layer_types`` ("sliding_attention" / "full_attention"), else layer i
   is full when ``(i + 1) % sliding_window_pattern == 0`` (pattern 6), sliding otherwise.
   27B: 62 layers -> layers 5, 11, ..., 59 full (10), 52 sliding over 1024 tokens.
-* **Mistral**: every layer slides over ``sliding_window`` (null: full attention);
-  ``layer_types`` picks the sliding layers when present, as vLLM reads it.
+* **Mistral**: every layer slides over ``sliding_window`` (null: every layer full).
+  transformers' ``MistralModel`` builds one mask for all layers and ignores
+  ``layer_types`` (it only checks its names and length, as we do).
 * **Qwen2 / Qwen3**: sliding only when ``use_sliding_window`` is true, and then on
-  layers ``i >= max_window_layers`` (28); ``layer_types`` wins when present, but
-  a "sliding_attention" layer without ``use_sliding_window`` is full (transformers
-  sets the window to None).
+  layers ``i >= max_window_layers`` (28); ``layer_types`` wins when present.
 * **GPT-OSS**: ``layer_types``, else alternating: even layers slide over
   ``sliding_window`` (128), odd layers are full.
 * **Llama** and plain decoders: every layer full.
 
-Shared keys: ``num_hidden_layers`` and ``num_attention_heads`` are required;
-``num_key_value_heads`` null means ``num_attention_heads``; ``head_dim`` null (or
-absent in a family whose class has no default) means ``hidden_size //
-num_attention_heads``; the dtype is ``torch_dtype`` / ``dtype`` (default bfloat16).
+One rule for ``layer_types`` (HF's names, read in :func:`_kinds_from_names` only):
+"full_attention" (and its legacy name "attention") is full, "sliding_attention" slides
+over ``sliding_window``, "chunked_attention" is chunked over ``attention_chunk_size``.
+A local layer whose size is null is an :class:`~hybridkv.errors.InvalidConfigError`:
+transformers builds that config but fails on its first forward (``create_sliding_window_causal_mask``
+/ ``create_chunked_causal_mask`` find no size), so no plan or engine should pretend to run it.
+The same holds for a derived layout (Gemma 3, GPT-OSS) with ``sliding_window: null``.
+
+Shared keys: ``num_hidden_layers`` is required; ``num_key_value_heads`` null means
+``num_attention_heads``; ``head_dim`` null (or absent in a family whose class has no
+default) means ``hidden_size // num_attention_heads``; the dtype is ``torch_dtype`` /
+``dtype`` (default bfloat16).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-from hybridkv.core.specs import (
-    DTYPE_BYTES,
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    SlidingWindowSpec,
-    dtype_bytes,
-)
+from hybridkv.core.specs import DTYPE_BYTES, ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec
+from hybridkv.core.specs import SlidingWindowSpec, dtype_bytes
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, InvalidSpecError, UnknownArchitectureError
 from hybridkv.planner.config_reader import ConfigReader
+from hybridkv.planner.hf_defaults import MULTIMODAL_DEFAULTS, TEXT_DEFAULTS
 
 __all__ = [
-    "ModelLayers",
-    "Family",
-    "FAMILIES",
-    "supported_architectures",
-    "find_family",
-    "model_layers",
-    "layer_name",
+    "LayerKind", "FULL", "FULL_KIND", "SLIDING_KIND", "CHUNKED_KIND", "HF_LAYER_TYPES",
+    "ModelLayers", "Family", "FAMILIES", "supported_architectures", "find_family", "family_named",
+    "language_model_config", "model_layers", "layer_name",
 ]
 
-#: per layer: ("full", None), ("sliding", window) or ("chunked", chunk size)
-LayerKind = tuple[str, "int | None"]
-FULL: LayerKind = ("full", None)
+#: the layer kinds, as the planner and the engine (``AttentionType.kind``) name them; HF's names
+#: map to them in :data:`HF_LAYER_TYPES`, they map to the core's spec classes in :func:`_spec`
+FULL_KIND, SLIDING_KIND, CHUNKED_KIND = "full", "sliding", "chunked"
+
+#: HF ``layer_types`` name -> our kind (transformers remaps the legacy "attention" to full)
+HF_LAYER_TYPES: Mapping[str, str] = {
+    "full_attention": FULL_KIND,
+    "attention": FULL_KIND,
+    "sliding_attention": SLIDING_KIND,
+    "chunked_attention": CHUNKED_KIND,
+}
+#: local kind -> the config key that sizes it
+_SIZE_KEYS = {SLIDING_KIND: "sliding_window", CHUNKED_KIND: "attention_chunk_size"}
+
+
+class LayerKind(NamedTuple):
+    """One layer's attention: ``kind`` ``"full"`` / ``"sliding"`` / ``"chunked"``, ``size`` its
+    window or chunk in tokens (None for full)."""
+
+    kind: str
+    size: int | None = None
+
+
+FULL = LayerKind(FULL_KIND)
 
 DEFAULT_DTYPE = "bfloat16"
 
@@ -80,6 +105,8 @@ class ModelLayers:
     dtype: str
     block_size: int
     max_position_embeddings: int | None = None
+    #: per layer, the kind the specs were made from
+    kinds: tuple[LayerKind, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -105,108 +132,124 @@ class Family:
     layer_kinds: Callable[[ConfigReader, int], list[LayerKind]]
 
 
-def _from_layer_types(
-    cfg: ConfigReader, n: int, names: Mapping[str, str], sizes: Mapping[str, int | None]
-) -> list[LayerKind] | None:
-    """``layer_types`` mapped through ``names`` (HF name -> kind) and ``sizes`` (kind -> window).
+def _kinds_from_names(
+    cfg: ConfigReader,
+    names: Sequence[str],
+    sizes: Mapping[str, int | None],
+    source: str = "layer_types",
+    hint: str = "",
+) -> list[LayerKind]:
+    """HF layer type names -> kinds; ``sizes``: the local kinds the family has -> their size.
 
-    A windowed kind whose size is None (window or chunk turned off) becomes full attention.
+    ``source`` says where the names came from in messages (``layer_types`` or the
+    family's derivation), ``hint`` why a size may be off; a local layer with a null
+    size fails (see the module docstring).
     """
-    types = cfg.list_of("layer_types", str, n)
-    if types is None:
-        return None
     out: list[LayerKind] = []
-    for i, t in enumerate(types):
-        if t not in names:
-            raise cfg.fail(f"layer_types[{i}]", f"is {t!r}; expected one of {sorted(names)}")
-        kind = names[t]
-        if kind != "full" and sizes[kind] is None:
+    for i, name in enumerate(names):
+        kind = HF_LAYER_TYPES.get(name)
+        if kind is None or (kind != FULL_KIND and kind not in sizes):
+            allowed = sorted(n for n, k in HF_LAYER_TYPES.items() if k == FULL_KIND or k in sizes)
+            raise cfg.fail(f"layer_types[{i}]", f"is {name!r}; expected one of {allowed}")
+        if kind == FULL_KIND:
             out.append(FULL)
-        else:
-            out.append((kind, sizes.get(kind)))
+            continue
+        size = sizes[kind]
+        if size is None:
+            key = _SIZE_KEYS[kind]
+            raise InvalidConfigError(
+                f"{cfg.label}: layer {i} is {name} ({source}) but {cfg.where(key)} is null{hint}; "
+                "transformers cannot run such a layer"
+            )
+        out.append(LayerKind(kind, size))
     return out
+
+
+def _layer_types(
+    cfg: ConfigReader, n: int, sizes: Mapping[str, int | None], hint: str = ""
+) -> list[LayerKind] | None:
+    """``layer_types`` as kinds; None when absent (the family derives them)."""
+    names = cfg.list_of("layer_types", str, n)
+    return None if names is None else _kinds_from_names(cfg, names, sizes, hint=hint)
 
 
 def _llama4(cfg: ConfigReader, n: int) -> list[LayerKind]:
     chunk = cfg.optional_positive_int("attention_chunk_size")
-    names = {"chunked_attention": "chunked", "full_attention": "full"}
-    kinds = _from_layer_types(cfg, n, names, {"chunked": chunk})
+    kinds = _layer_types(cfg, n, {CHUNKED_KIND: chunk})
     if kinds is not None:
         return kinds
     interval = cfg.positive_int("no_rope_layer_interval")
     uses_rope = cfg.list_of("no_rope_layers", int, n)
     if uses_rope is None:
         uses_rope = [int((i + 1) % interval != 0) for i in range(n)]
-    return [("chunked", chunk) if rope and chunk is not None else FULL for rope in uses_rope]
+    return [LayerKind(CHUNKED_KIND, chunk) if rope and chunk is not None else FULL for rope in uses_rope]
 
 
 def _gemma3(cfg: ConfigReader, n: int) -> list[LayerKind]:
-    window = cfg.optional_positive_int("sliding_window")
-    names = {"sliding_attention": "sliding", "full_attention": "full"}
-    kinds = _from_layer_types(cfg, n, names, {"sliding": window})
+    sizes = {SLIDING_KIND: cfg.optional_positive_int("sliding_window")}
+    kinds = _layer_types(cfg, n, sizes)
     if kinds is not None:
         return kinds
     pattern = cfg.positive_int("sliding_window_pattern")
-    sliding = ("sliding", window) if window is not None else FULL
-    return [sliding if (i + 1) % pattern else FULL for i in range(n)]
+    names = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    return _kinds_from_names(cfg, names, sizes, f"every layer but each {pattern}th, by sliding_window_pattern")
 
 
 def _mistral(cfg: ConfigReader, n: int) -> list[LayerKind]:
     window = cfg.optional_positive_int("sliding_window")
-    kinds = _from_layer_types(cfg, n, {"sliding_attention": "sliding", "full_attention": "full"}, {"sliding": window})
-    if kinds is not None:
-        return kinds
-    return [("sliding", window) if window is not None else FULL] * n
+    names = cfg.list_of("layer_types", str, n)  # checked as transformers checks it, then unused
+    if names is not None:
+        _kinds_from_names(cfg, names, {SLIDING_KIND: 1})
+    return [LayerKind(SLIDING_KIND, window) if window is not None else FULL] * n
 
 
 def _qwen(cfg: ConfigReader, n: int) -> list[LayerKind]:
-    window = cfg.optional_positive_int("sliding_window") if cfg.boolean("use_sliding_window") else None
-    kinds = _from_layer_types(cfg, n, {"sliding_attention": "sliding", "full_attention": "full"}, {"sliding": window})
+    use = cfg.boolean("use_sliding_window")
+    window = cfg.optional_positive_int("sliding_window") if use else None
+    hint = "" if use else " (use_sliding_window is false: transformers sets sliding_window to None)"
+    kinds = _layer_types(cfg, n, {SLIDING_KIND: window}, hint)
     if kinds is not None:
         return kinds
     first_sliding = cfg.non_negative_int("max_window_layers")
-    return [("sliding", window) if window is not None and i >= first_sliding else FULL for i in range(n)]
+    return [LayerKind(SLIDING_KIND, window) if window is not None and i >= first_sliding else FULL for i in range(n)]
 
 
 def _gpt_oss(cfg: ConfigReader, n: int) -> list[LayerKind]:
-    window = cfg.optional_positive_int("sliding_window")
-    kinds = _from_layer_types(cfg, n, {"sliding_attention": "sliding", "full_attention": "full"}, {"sliding": window})
+    sizes = {SLIDING_KIND: cfg.optional_positive_int("sliding_window")}
+    kinds = _layer_types(cfg, n, sizes)
     if kinds is not None:
         return kinds
-    sliding = ("sliding", window) if window is not None else FULL
-    return [sliding if (i + 1) % 2 else FULL for i in range(n)]
+    names = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    return _kinds_from_names(cfg, names, sizes, "even layers, as GptOssConfig derives them")
 
 
 def _all_full(cfg: ConfigReader, n: int) -> list[LayerKind]:
     return [FULL] * n
 
 
-#: defaults are transformers 5.24's config class defaults for the keys each family reads
 FAMILIES: tuple[Family, ...] = (
     Family("llama4", "Llama 4", ("Llama4ForConditionalGeneration", "Llama4ForCausalLM"), ("llama4", "llama4_text"),
-           {"head_dim": 128, "num_key_value_heads": 8, "attention_chunk_size": 8192,
-            "no_rope_layer_interval": 4, "max_position_embeddings": 4096 * 32}, _llama4),
+           TEXT_DEFAULTS["llama4"], _llama4),
     Family("gemma3", "Gemma 3", ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"), ("gemma3", "gemma3_text"),
-           {"head_dim": 256, "num_key_value_heads": 4, "sliding_window": 4096,
-            "sliding_window_pattern": 6, "max_position_embeddings": 131_072}, _gemma3),
-    Family("mistral", "Mistral", ("MistralForCausalLM",), ("mistral",),
-           {"head_dim": None, "num_key_value_heads": 8, "sliding_window": 4096,
-            "max_position_embeddings": 4096 * 32}, _mistral),
-    Family("qwen2", "Qwen2", ("Qwen2ForCausalLM",), ("qwen2",),
-           {"head_dim": None, "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": 4096,
-            "max_window_layers": 28, "max_position_embeddings": 32768}, _qwen),
-    Family("qwen3", "Qwen3", ("Qwen3ForCausalLM",), ("qwen3",),
-           {"head_dim": 128, "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": 4096,
-            "max_window_layers": 28, "max_position_embeddings": 32768}, _qwen),
-    Family("gpt_oss", "GPT-OSS", ("GptOssForCausalLM",), ("gpt_oss",),
-           {"head_dim": 64, "num_key_value_heads": 8, "sliding_window": 128,
-            "max_position_embeddings": 131072}, _gpt_oss),
-    Family("llama", "Llama", ("LlamaForCausalLM",), ("llama",),
-           {"head_dim": None, "num_key_value_heads": None, "max_position_embeddings": 2048}, _all_full),
+           TEXT_DEFAULTS["gemma3"], _gemma3),
+    Family("mistral", "Mistral", ("MistralForCausalLM",), ("mistral",), TEXT_DEFAULTS["mistral"], _mistral),
+    Family("qwen2", "Qwen2", ("Qwen2ForCausalLM",), ("qwen2",), TEXT_DEFAULTS["qwen2"], _qwen),
+    Family("qwen3", "Qwen3", ("Qwen3ForCausalLM",), ("qwen3",), TEXT_DEFAULTS["qwen3"], _qwen),
+    Family("gpt_oss", "GPT-OSS", ("GptOssForCausalLM",), ("gpt_oss",), TEXT_DEFAULTS["gpt_oss"], _gpt_oss),
+    Family("llama", "Llama", ("LlamaForCausalLM",), ("llama",), TEXT_DEFAULTS["llama"], _all_full),
 )
 
+_BY_NAME = {f.name: f for f in FAMILIES}
 _BY_ARCHITECTURE = {arch: f for f in FAMILIES for arch in f.architectures}
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
+
+
+def family_named(name: str) -> Family:
+    """The family called ``name`` (``"gemma3"``, ...)."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise UnknownArchitectureError(f"unknown model family {name!r}; known: {', '.join(_BY_NAME)}") from None
 
 
 def supported_architectures() -> list[str]:
@@ -244,12 +287,46 @@ def _check_dtype(dtype: str, error: type[Exception], what: str) -> None:
 
 
 def _spec(kind: LayerKind, **common: Any) -> KVCacheSpec:
-    name, size = kind
-    if name == "sliding":
-        return SlidingWindowSpec(sliding_window=size, **common)
-    if name == "chunked":
-        return ChunkedLocalAttentionSpec(attention_chunk_size=size, **common)
+    """The core spec of a layer kind: the one map from our kinds to the core's spec classes."""
+    if kind.kind == SLIDING_KIND:
+        return SlidingWindowSpec(sliding_window=kind.size, **common)
+    if kind.kind == CHUNKED_KIND:
+        return ChunkedLocalAttentionSpec(attention_chunk_size=kind.size, **common)
     return FullAttentionSpec(**common)
+
+
+def language_model_config(
+    config: Mapping[str, Any], *, family: str | None = None, label: str = "config"
+) -> dict[str, Any]:
+    """The language model's config as one flat dict, every absent key filled as transformers fills it.
+
+    The keys of ``text_config`` when the config nests one (multimodal checkpoints such as
+    ``Gemma3ForConditionalGeneration``), else of ``config``; an absent key takes the
+    family's default (:data:`~hybridkv.planner.hf_defaults.TEXT_DEFAULTS`). From a
+    multimodal wrapper it keeps what transformers reads there: ``tie_word_embeddings``
+    (the top-level flag ties ``lm_head``; Gemma3Config's default is true), and the
+    ``eos_token_id`` and dtype when given at the top. ``family``: a family name, when
+    the caller knows it (else :func:`find_family` picks it).
+
+    >>> cfg = language_model_config({"architectures": ["Gemma3ForConditionalGeneration"],
+    ...                              "text_config": {"num_hidden_layers": 34, "hidden_size": 2560}})
+    >>> cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["tie_word_embeddings"]
+    (8, 4, 256, True)
+    """
+    fam = family_named(family) if family is not None else find_family(config, label)[0]
+    reader = ConfigReader(config, label)  # checks that a text_config is an object
+    out = {**fam.defaults, **reader.text}
+    if reader.text is not config:
+        wrapper = MULTIMODAL_DEFAULTS.get(fam.name, {})
+        out["tie_word_embeddings"] = config.get(
+            "tie_word_embeddings", wrapper.get("tie_word_embeddings", out.get("tie_word_embeddings"))
+        )
+        if config.get("eos_token_id") is not None:
+            out["eos_token_id"] = config["eos_token_id"]
+        for key in ("dtype", "torch_dtype"):
+            if out.get(key) is None and config.get(key) is not None:
+                out[key] = config[key]
+    return out
 
 
 def model_layers(
@@ -259,22 +336,32 @@ def model_layers(
     name: str | None = None,
     block_size: int = 16,
     dtype: str | None = None,
+    family: str | None = None,
 ) -> ModelLayers:
     """Every layer's KV cache spec for ``config`` (a parsed ``config.json``).
 
-    ``dtype`` overrides the config's (e.g. ``"fp8"`` for an 8-bit KV cache).
+    ``dtype`` overrides the config's (e.g. ``"fp8"`` for an 8-bit KV cache); ``family``
+    names the family when the caller knows it (the engine's model classes do), else
+    :func:`find_family` picks it from the config.
 
     >>> from hybridkv.planner.presets import load_model_config
     >>> m = model_layers(load_model_config("llama4-scout").config)
     >>> m.num_layers, sum(s.kind == "full_attention" for s in m.specs), m.specs[0].page_size_bytes
     (48, 12, 65536)
+    >>> m.kinds[2:4]
+    (LayerKind(kind='chunked', size=8192), LayerKind(kind='full', size=None))
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise InvalidArgumentError(f"block size must be a positive integer, got {block_size!r}")
     if dtype is not None:
         _check_dtype(dtype, InvalidArgumentError, "KV cache dtype")
-    family, selected_by = find_family(config, label)
-    cfg = ConfigReader(config, label, family.defaults)
+    if family is None:
+        fam, selected_by = find_family(config, label)
+    else:
+        fam = family_named(family)
+        archs = config.get("architectures")
+        selected_by = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else fam.name
+    cfg = ConfigReader(config, label, fam.defaults)
     num_layers = cfg.positive_int("num_hidden_layers")
     num_heads = cfg.positive_int("num_attention_heads")
     kv_heads = cfg.optional_positive_int("num_key_value_heads")
@@ -290,12 +377,12 @@ def model_layers(
         kv_dtype = cfg.dtype() or DEFAULT_DTYPE
         _check_dtype(kv_dtype, InvalidConfigError, f"{label}: torch_dtype")
     max_pos = cfg.optional_positive_int("max_position_embeddings")
-    kinds = family.layer_kinds(cfg, num_layers)
+    kinds = tuple(fam.layer_kinds(cfg, num_layers))
     common = dict(block_size=block_size, num_kv_heads=kv_heads, head_size=head_dim, dtype=kv_dtype)
     specs = tuple(_spec(k, **common) for k in kinds)
     return ModelLayers(
         name=name or label,
-        family=family.name,
+        family=fam.name,
         architecture=selected_by,
         specs=specs,
         num_kv_heads=kv_heads,
@@ -303,5 +390,5 @@ def model_layers(
         dtype=specs[0].dtype,
         block_size=block_size,
         max_position_embeddings=max_pos,
+        kinds=kinds,
     )
-

@@ -2,7 +2,10 @@
 
 ``load_model(model_dir)`` reads ``config.json``, picks the class by
 ``architectures[0]`` (falling back to ``model_type``) and loads the safetensors
-weights by HF name.
+weights by HF name. Each class serves one planner family
+(:data:`~hybridkv.planner.architectures.FAMILIES`), whose names select it: a
+multimodal ``Gemma3ForConditionalGeneration`` / ``Llama4ForConditionalGeneration``
+checkpoint loads its language model.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from hybridkv.engine.models.llama import LlamaForCausalLM
 from hybridkv.engine.models.llama4 import Llama4ForCausalLM
 from hybridkv.engine.models.mistral import MistralForCausalLM
 from hybridkv.engine.models.qwen2 import Qwen2ForCausalLM
+from hybridkv.engine.models.qwen3 import Qwen3ForCausalLM
 from hybridkv.engine.models.weights import read_config
 from hybridkv.errors import UnknownArchitectureError
 
@@ -32,6 +36,7 @@ __all__ = [
     "Gemma3ForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
     "GptOssForCausalLM",
 ]
 
@@ -41,6 +46,7 @@ MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     Gemma3ForCausalLM,
     MistralForCausalLM,
     Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
     GptOssForCausalLM,
 )
 

@@ -10,30 +10,31 @@ Every family's decoder layer is a :class:`DecoderLayer` (HF's pre-norm block, th
 row selection of the last layer, the residual adds); a family changes only its
 attention, its MLP (and the attribute name HF gives it) and, for Gemma 3's sandwich
 norms, the two residual branches.
+
+The config a model runs with and each layer's attention kind come from the planner
+(:func:`~hybridkv.planner.architectures.language_model_config`,
+:func:`~hybridkv.planner.architectures.model_layers`): one reading of ``config.json``
+for the plan and the engine, with transformers' defaults for absent keys.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping
 
 import torch
 from torch import nn
 
-from hybridkv.core.specs import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    SlidingWindowSpec,
-)
-from hybridkv.engine.attention import FULL, AttentionMetadata, AttentionType
+from hybridkv.core.specs import KVCacheSpec
+from hybridkv.engine.attention import AttentionMetadata, AttentionType
 from hybridkv.engine.kv_storage import torch_dtype
 from hybridkv.engine.models.linear import Linear
 from hybridkv.engine.models.rope import RotaryEmbedding
-from hybridkv.engine.models.weights import eos_token_ids, load_weights, read_config
+from hybridkv.engine.models.weights import eos_token_ids, language_model_weight_name, load_weights, read_config
 from hybridkv.errors import InvalidConfigError
+from hybridkv.planner.architectures import ModelLayers, family_named, language_model_config, model_layers
 
-__all__ = ["CausalLM", "DecoderLayer", "DecoderStack", "RMSNorm", "Rope", "require", "activation", "attention_types"]
+__all__ = ["CausalLM", "DecoderLayer", "DecoderStack", "RMSNorm", "Rope", "require", "activation"]
 
 #: rope name -> the rotary's per-step tables ((cos, sin), or cis for interleaved rotaries)
 Rope = dict[str, Any]
@@ -58,36 +59,6 @@ def activation(name: str):
     if name == "relu":
         return nn.functional.relu
     raise InvalidConfigError(f"unsupported activation {name!r}")
-
-
-#: HF ``layer_types`` name -> (our attention kind, the config field that gives its size)
-_LAYER_TYPES = {"sliding_attention": ("sliding", "sliding_window"), "chunked_attention": ("chunked", "attention_chunk_size")}
-
-
-def attention_types(
-    names: Sequence[str], num_layers: int, family: str, hint: str = "", **sizes: int | None
-) -> list[AttentionType]:
-    """HF ``layer_types`` -> one :class:`AttentionType` per layer.
-
-    ``sizes``: ``sliding_window=`` / ``attention_chunk_size=`` for the local kinds the
-    family has; a name whose field is not given is unsupported, a given ``None`` is
-    an error naming the field (``hint`` says why it may be missing).
-    """
-    if len(names) < num_layers:
-        raise InvalidConfigError(f"layer_types has {len(names)} entries for {num_layers} layers")
-    out = []
-    for i, name in enumerate(names[:num_layers]):
-        if name == "full_attention":
-            out.append(FULL)
-            continue
-        kind, field = _LAYER_TYPES.get(name, ("", ""))
-        if field not in sizes:
-            raise InvalidConfigError(f"layer {i}: unsupported {family} layer type {name!r}")
-        size = sizes[field]
-        if size is None:
-            raise InvalidConfigError(f"layer {i} is {name} but the config has no {field}{hint}")
-        out.append(AttentionType(kind, int(size)))
-    return out
 
 
 class RMSNorm(nn.Module):
@@ -180,27 +151,42 @@ class CausalLM(nn.Module):
     rope, meta)``) and ``norm``; ``self.rotaries`` maps a rope name to its table.
     """
 
-    #: HF ``architectures[0]`` values and ``model_type`` values this class loads
+    #: the planner family (:data:`~hybridkv.planner.architectures.FAMILIES`) whose checkpoints this
+    #: class loads: its ``architectures`` / ``model_types`` select the class, its layer rule and
+    #: config defaults are the ones this model runs with
+    family: ClassVar[str] = ""
+    #: HF ``architectures`` and ``model_type`` values this class loads: its family's
     architectures: ClassVar[tuple[str, ...]] = ()
     model_types: ClassVar[tuple[str, ...]] = ()
-    #: per layer, what :meth:`attention_type` returns (filled by the subclass)
-    _types: list[AttentionType]
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.family:
+            family = family_named(cls.family)
+            cls.architectures, cls.model_types = family.architectures, family.model_types
+
+    def __init__(self, config: Mapping[str, Any], label: str = "config") -> None:
         super().__init__()
-        self.config = dict(config)
+        #: the language model's keys, absent ones filled with transformers' defaults (multimodal
+        #: configs: the keys of ``text_config``); see :func:`~hybridkv.planner.language_model_config`
+        self.config = language_model_config(config, family=self.family, label=label)
+        config = self.config
+        #: the planner's reading of the attention layers: kinds, KV heads, head size
+        self.layout: ModelLayers = model_layers(config, family=self.family, label=label, dtype="float32")
         self.hidden_size: int = require(config, "hidden_size")
         self.vocab_size: int = require(config, "vocab_size")
-        self.num_layers: int = require(config, "num_hidden_layers")
+        self.num_layers: int = self.layout.num_layers
         self.num_heads: int = require(config, "num_attention_heads")
-        self.num_kv_heads: int = config.get("num_key_value_heads") or self.num_heads
-        self.head_dim: int = config.get("head_dim") or self.hidden_size // self.num_heads
+        self.num_kv_heads: int = self.layout.num_kv_heads
+        self.head_dim: int = self.layout.head_dim
         self.max_position_embeddings: int = config.get("max_position_embeddings") or 2048
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         if self.num_heads % self.num_kv_heads:
             raise InvalidConfigError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
             )
+        #: per layer, what :meth:`attention_type` returns
+        self._types: list[AttentionType] = [AttentionType(k.kind, k.size) for k in self.layout.kinds]
         #: the ids that end generation unless a request asks ``ignore_eos`` (see :func:`eos_token_ids`;
         #: from_pretrained / from_config add generation_config.json's)
         self.eos_token_ids: tuple[int, ...] = eos_token_ids(self.config)
@@ -235,16 +221,24 @@ class CausalLM(nn.Module):
         device: str | torch.device = "cpu",
         prepack: bool = True,
     ) -> "CausalLM":
-        """Build, load the weights, fuse q/k/v and gate/up; ``prepack``: see :meth:`prepack_weights`."""
+        """Build, load the weights, fuse q/k/v and gate/up; ``prepack``: see :meth:`prepack_weights`.
+
+        A multimodal checkpoint (``text_config`` in ``config``) loads its language model only:
+        see :func:`~hybridkv.engine.models.weights.language_model_weight_name`.
+        """
+        label = f"{Path(model_dir) / 'config.json'}"
+        multimodal = config.get("text_config") is not None
+        model_layers(config, family=cls.family, label=label)  # errors name the file's keys (text_config.x)
+        config = language_model_config(config, family=cls.family, label=label)
         eos = eos_token_ids(config, model_dir)  # a bad generation_config.json fails before the load
         with torch.device("meta"):
-            model = cls(config)
+            model = cls(config, label=label)
         model = model.to_empty(device=device).to(torch_dtype(dtype))
         if model.tie_word_embeddings:  # to_empty() breaks the tie
             model.lm_head.weight = model.model.embed_tokens.weight
         model._init_buffers()
         tied = {"lm_head.weight": "model.embed_tokens.weight"} if model.tie_word_embeddings else {}
-        load_weights(model, model_dir, tied=tied)
+        load_weights(model, model_dir, tied=tied, rename=language_model_weight_name if multimodal else None)
         model.fuse_weights()
         model.prepack_weights(prepack)
         model.eos_token_ids = eos
@@ -305,8 +299,7 @@ class CausalLM(nn.Module):
 
     # ------------------------------------------------------ what the KV needs
     def attention_type(self, layer_idx: int) -> AttentionType:
-        """The attention type of ``layer_idx``: ``self._types[layer_idx]``, which subclasses
-        fill (e.g. with :func:`attention_types`) or override this."""
+        """The attention type of ``layer_idx``, as the planner reads the config (``self.layout``)."""
         return self._types[layer_idx]
 
     def layer_attention_types(self) -> list[tuple[str, int | None]]:
@@ -314,15 +307,5 @@ class CausalLM(nn.Module):
         return [self.attention_type(i).as_tuple() for i in range(self.num_layers)]
 
     def kv_cache_specs(self, block_size: int, dtype: str = "bfloat16") -> list[KVCacheSpec]:
-        """One core KV cache spec per layer."""
-        specs: list[KVCacheSpec] = []
-        common = dict(block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_dim, dtype=dtype)
-        for i in range(self.num_layers):
-            attn = self.attention_type(i)
-            if attn.kind == "sliding":
-                specs.append(SlidingWindowSpec(sliding_window=attn.size, **common))
-            elif attn.kind == "chunked":
-                specs.append(ChunkedLocalAttentionSpec(attention_chunk_size=attn.size, **common))
-            else:
-                specs.append(FullAttentionSpec(**common))
-        return specs
+        """One core KV cache spec per layer: the planner's specs of this model's config."""
+        return list(model_layers(self.config, family=self.family, block_size=block_size, dtype=dtype).specs)

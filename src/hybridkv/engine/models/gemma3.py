@@ -1,5 +1,8 @@
 """Gemma 3 text (``Gemma3ForCausalLM``, model_type ``gemma3_text``), as HF 5.24 runs it.
 
+Also the language model of ``Gemma3ForConditionalGeneration`` checkpoints (``text_config``;
+the vision tower is not loaded, see :func:`~hybridkv.engine.models.weights.language_model_weight_name`).
+
 Differences from Llama:
 
 * RMSNorm scales by ``(1 + w)``; q and k get a per-head RMSNorm *before* RoPE;
@@ -7,9 +10,10 @@ Differences from Llama:
   ``h + post_ff_norm(mlp(pre_ff_norm(h)))``;
 * the embedding is multiplied by ``sqrt(hidden_size)`` (in the weight dtype);
 * scores are scaled by ``query_pre_attn_scalar ** -0.5``;
-* ``layer_types`` picks sliding / full per layer (default: every 6th full); the
-  sliding layers use their own rope (``rope_parameters["sliding_attention"]``, old
-  configs: ``rope_local_base_freq``), the full layers ``rope_parameters["full_attention"]``;
+* ``layer_types`` picks sliding / full per layer (default: every 6th full; read by the
+  planner); the sliding layers use their own rope (``rope_parameters["sliding_attention"]``,
+  old configs: ``rope_local_base_freq``), the full layers ``rope_parameters["full_attention"]``
+  (old configs: ``rope_theta`` and ``rope_scaling``);
 * ``final_logit_softcapping``: ``tanh(logits / c) * c``.
 
 HF 5.24's ``Gemma3Attention`` does *not* pass ``attn_logit_softcapping`` to the
@@ -24,17 +28,9 @@ from typing import Any, Mapping
 import torch
 
 from hybridkv.engine.attention import AttentionMetadata, AttentionType
-from hybridkv.engine.models.base import (
-    CausalLM,
-    DecoderLayer,
-    DecoderStack,
-    RMSNorm,
-    Rope,
-    attention_types,
-    require,
-)
+from hybridkv.engine.models.base import CausalLM, DecoderLayer, DecoderStack, RMSNorm, Rope, require
 from hybridkv.engine.models.llama import GatedMLP, LlamaAttention
-from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half, rope_parameters
+from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half
 from hybridkv.errors import InvalidConfigError
 
 __all__ = ["Gemma3ForCausalLM"]
@@ -44,7 +40,7 @@ class Gemma3Attention(LlamaAttention):
     def __init__(self, model: "Gemma3ForCausalLM", layer_idx: int, attn_type: AttentionType, rope_name: str) -> None:
         bias = bool(model.config.get("attention_bias", False))
         super().__init__(model, layer_idx, attn_type, qkv_bias=bias, o_bias=bias, rope_name=rope_name)
-        self.scale = float(model.config.get("query_pre_attn_scalar", model.head_dim)) ** -0.5
+        self.scale = float(model.config["query_pre_attn_scalar"]) ** -0.5
         self.q_norm = RMSNorm(model.head_dim, model.eps, unit_offset=True)
         self.k_norm = RMSNorm(model.head_dim, model.eps, unit_offset=True)
 
@@ -81,24 +77,19 @@ class Gemma3DecoderLayer(DecoderLayer):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    architectures = ("Gemma3ForCausalLM",)
-    model_types = ("gemma3_text",)
+    family = "gemma3"
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
-        config = dict(config)
-        config.setdefault("tie_word_embeddings", True)
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any], label: str = "config") -> None:
+        super().__init__(config, label)
+        config = self.config
         if config.get("use_bidirectional_attention"):
             raise InvalidConfigError("Gemma 3 with use_bidirectional_attention is not a causal LM")
         self.eps = float(config.get("rms_norm_eps", 1e-6))
         self.final_logit_softcapping = config.get("final_logit_softcapping")
-        self._types = self._layer_types(config)
-        self.rotaries["full_attention"] = RotaryEmbedding(
-            self._rope(config, "full_attention"), self.head_dim, self.max_position_embeddings
-        )
-        self.rotaries["sliding_attention"] = RotaryEmbedding(
-            self._rope(config, "sliding_attention"), self.head_dim, self.max_position_embeddings
-        )
+        for layer_type in ("full_attention", "sliding_attention"):
+            self.rotaries[layer_type] = RotaryEmbedding(
+                self._rope(config, layer_type), self.head_dim, self.max_position_embeddings
+            )
         layers = [Gemma3DecoderLayer(self, i) for i in range(self.num_layers)]
         norm = RMSNorm(self.hidden_size, self.eps, unit_offset=True)
         self.model = DecoderStack(self.vocab_size, self.hidden_size, layers, norm)
@@ -106,18 +97,23 @@ class Gemma3ForCausalLM(CausalLM):
 
     @staticmethod
     def _rope(config: Mapping[str, Any], layer_type: str) -> dict:
-        if config.get("rope_parameters") is not None:
-            return rope_parameters(config, 0.0, sub_key=layer_type)
-        if layer_type == "full_attention":
-            return rope_parameters(config, 1_000_000.0)
-        return {"rope_type": "default", "rope_theta": float(config.get("rope_local_base_freq", 10_000.0))}
+        """The rope of ``layer_type`` as ``Gemma3TextConfig.convert_rope_params_to_dict`` builds it.
 
-    def _layer_types(self, config: Mapping[str, Any]) -> list[AttentionType]:
-        names = config.get("layer_types")
-        if names is None:
-            pattern = int(config.get("sliding_window_pattern", 6))
-            names = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(self.num_layers)]
-        return attention_types(names, self.num_layers, "Gemma 3", sliding_window=config.get("sliding_window"))
+        ``rope_parameters[layer_type]`` (absent: default rope); old configs' ``rope_scaling``
+        applies to the full layers; a missing ``rope_theta`` is ``rope_theta`` (1e6) for the
+        full layers, ``rope_local_base_freq`` (1e4) for the sliding ones.
+        """
+        params = dict((config.get("rope_parameters") or {}).get(layer_type) or {"rope_type": "default"})
+        if layer_type == "full_attention":
+            scaling = dict(config.get("rope_scaling") or {})
+            if "type" in scaling:
+                scaling.setdefault("rope_type", scaling.pop("type"))
+            params.update(scaling)
+            params.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
+        else:
+            params.setdefault("rope_theta", config.get("rope_local_base_freq", 10_000.0))
+        params.setdefault("rope_type", "default")
+        return params
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight

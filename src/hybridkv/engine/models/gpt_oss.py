@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from hybridkv.engine.attention import AttentionType
-from hybridkv.engine.models.base import CausalLM, DecoderLayer, DecoderStack, RMSNorm, attention_types, require
+from hybridkv.engine.models.base import CausalLM, DecoderLayer, DecoderStack, RMSNorm, require
 from hybridkv.engine.models.llama import LlamaAttention
 from hybridkv.engine.models.rope import RotaryEmbedding, rope_parameters
 
@@ -95,13 +95,12 @@ class GptOssMoE(nn.Module):
 
 
 class GptOssForCausalLM(CausalLM):
-    architectures = ("GptOssForCausalLM",)
-    model_types = ("gpt_oss",)
+    family = "gpt_oss"
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any], label: str = "config") -> None:
+        super().__init__(config, label)
+        config = self.config
         self.eps = float(config.get("rms_norm_eps", 1e-5))
-        self._types = self._layer_types(config)
         params = config.get("rope_parameters") or dict(_DEFAULT_ROPE)
         self.rotaries["default"] = RotaryEmbedding(
             rope_parameters({"rope_parameters": params}, 150000.0), self.head_dim, self.max_position_embeddings
@@ -112,9 +111,3 @@ class GptOssForCausalLM(CausalLM):
         ]
         self.model = DecoderStack(self.vocab_size, self.hidden_size, layers, RMSNorm(self.hidden_size, self.eps))
         self._build_head()
-
-    def _layer_types(self, config: Mapping[str, Any]) -> list[AttentionType]:
-        names = config.get("layer_types") or [
-            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(self.num_layers)
-        ]
-        return attention_types(names, self.num_layers, "GPT-OSS", sliding_window=config.get("sliding_window", 128))

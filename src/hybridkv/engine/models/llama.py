@@ -5,7 +5,8 @@ Decoder layer (HF ``modeling_llama``)::
     h = h + o_proj(attn(rope(q_proj(norm1(h))), rope(k_proj(..)), v_proj(..)))
     h = h + down_proj(act(gate_proj(norm2(h))) * up_proj(norm2(h)))
 
-All layers are full attention. Mistral and Qwen2 subclass this with sliding layers.
+All layers are full attention. Mistral, Qwen2 and Qwen3 subclass this with sliding layers
+(each layer's kind comes from the planner: :attr:`CausalLM.layout`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from hybridkv.engine.attention import FULL, AttentionMetadata, AttentionType, paged_attention
+from hybridkv.engine.attention import AttentionMetadata, AttentionType, paged_attention
 from hybridkv.engine.models.base import CausalLM, DecoderLayer, DecoderStack, RMSNorm, Rope, activation, require
 from hybridkv.engine.models.linear import Linear, PackedWeight, fuse_linears, linear
 from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half, rope_parameters
@@ -138,15 +139,14 @@ class LlamaAttention(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """Llama 2 / 3 / 3.1 (rope default, linear or llama3). All layers full attention."""
 
-    architectures = ("LlamaForCausalLM",)
-    model_types = ("llama",)
+    family = "llama"
     default_rope_theta = 10000.0
     qkv_bias_default = False
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any], label: str = "config") -> None:
+        super().__init__(config, label)
+        config = self.config
         self.eps = float(config.get("rms_norm_eps", 1e-6))
-        self._types = self._layer_types(config)
         self.rotaries["default"] = RotaryEmbedding(
             rope_parameters(config, self.default_rope_theta), self.head_dim, self.max_position_embeddings
         )
@@ -154,17 +154,16 @@ class LlamaForCausalLM(CausalLM):
         self.model = DecoderStack(self.vocab_size, self.hidden_size, layers, RMSNorm(self.hidden_size, self.eps))
         self._build_head()
 
-    def _layer_types(self, config: Mapping[str, Any]) -> list[AttentionType]:
-        """Per layer attention (Llama: all full; Mistral / Qwen2 override)."""
-        return [FULL] * self.num_layers
-
     def _qkv_bias(self) -> tuple[bool, bool]:
         bias = bool(self.config.get("attention_bias", self.qkv_bias_default))
         return bias, bias
 
-    def _make_layer(self, i: int) -> nn.Module:
+    def _make_attention(self, i: int) -> LlamaAttention:
         qkv_bias, o_bias = self._qkv_bias()
-        attn = LlamaAttention(self, i, self.attention_type(i), qkv_bias=qkv_bias, o_bias=o_bias)
+        return LlamaAttention(self, i, self.attention_type(i), qkv_bias=qkv_bias, o_bias=o_bias)
+
+    def _make_layer(self, i: int) -> nn.Module:
+        attn = self._make_attention(i)
         mlp = GatedMLP(
             self.hidden_size,
             require(self.config, "intermediate_size"),

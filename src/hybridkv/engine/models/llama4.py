@@ -1,5 +1,8 @@
 """Llama 4 text (``Llama4ForCausalLM``, model_type ``llama4_text``): iRoPE, as HF 5.24 runs it.
 
+Also the language model of ``Llama4ForConditionalGeneration`` checkpoints (``text_config``;
+the vision model is not loaded, see :func:`~hybridkv.engine.models.weights.language_model_weight_name`).
+
 * ``no_rope_layers[i] == 1`` means layer ``i`` *uses* RoPE (default: every
   ``no_rope_layer_interval``-th layer is NoPE). ``layer_types[i]`` picks the mask:
   ``chunked_attention`` (default for RoPE layers, chunk ``attention_chunk_size``,
@@ -24,17 +27,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from hybridkv.engine.attention import AttentionMetadata, AttentionType
-from hybridkv.engine.models.base import (
-    CausalLM,
-    DecoderLayer,
-    DecoderStack,
-    RMSNorm,
-    Rope,
-    activation,
-    attention_types,
-    require,
-)
+from hybridkv.engine.attention import AttentionMetadata
+from hybridkv.engine.models.base import CausalLM, DecoderLayer, DecoderStack, RMSNorm, Rope, activation, require
 from hybridkv.engine.models.llama import GatedMLP, LlamaAttention
 from hybridkv.engine.models.rope import RotaryEmbedding, apply_interleaved, rope_parameters
 from hybridkv.errors import InvalidConfigError
@@ -133,25 +127,20 @@ def _decoder_layer(model: "Llama4ForCausalLM", layer_idx: int) -> DecoderLayer:
 
 
 class Llama4ForCausalLM(CausalLM):
-    architectures = ("Llama4ForCausalLM",)
-    model_types = ("llama4_text",)
+    family = "llama4"
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any], label: str = "config") -> None:
+        super().__init__(config, label)
+        config = self.config
         n = self.num_layers
         self.eps = float(config.get("rms_norm_eps", 1e-5))
         interval = int(config.get("no_rope_layer_interval", 4))
         self.no_rope_layers = list(config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)])
+        if len(self.no_rope_layers) != n:
+            raise InvalidConfigError(f"no_rope_layers has {len(self.no_rope_layers)} entries for {n} layers")
         step = int(config.get("interleave_moe_layer_step", 1))
         moe = config.get("moe_layers")
         self.moe_layers = set(moe if moe is not None else range(step - 1, n, step))
-        chunk = config.get("attention_chunk_size", 8192)
-        names = config.get("layer_types") or [
-            "chunked_attention" if use_rope and chunk is not None else "full_attention" for use_rope in self.no_rope_layers
-        ]
-        if len(self.no_rope_layers) < n:
-            raise InvalidConfigError(f"no_rope_layers has {len(self.no_rope_layers)} entries for {n} layers")
-        self._types = attention_types(names, n, "Llama 4", attention_chunk_size=chunk)
         self.rotaries["default"] = RotaryEmbedding(
             rope_parameters(config, 500000.0), self.head_dim, self.max_position_embeddings, interleaved=True
         )

@@ -3,26 +3,18 @@
 HF 5.24 ``MistralModel`` builds one mask for all layers:
 ``create_sliding_window_causal_mask`` when ``config.sliding_window`` is not None
 (key k visible from query p iff ``p - W < k <= p``), else the causal mask. Mistral
-ignores ``layer_types`` (HF warns and uses the single mask).
+ignores ``layer_types`` (HF warns and uses the single mask); the planner reads it so.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-from hybridkv.engine.attention import FULL, AttentionType
 from hybridkv.engine.models.llama import LlamaForCausalLM
 
 __all__ = ["MistralForCausalLM"]
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    architectures = ("MistralForCausalLM",)
-    model_types = ("mistral",)
-
-    def _layer_types(self, config: Mapping[str, Any]) -> list[AttentionType]:
-        window = config.get("sliding_window")
-        return [AttentionType("sliding", int(window)) if window is not None else FULL] * self.num_layers
+    family = "mistral"
 
     def _qkv_bias(self) -> tuple[bool, bool]:
         return False, False

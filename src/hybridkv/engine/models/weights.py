@@ -4,19 +4,23 @@ Weights are matched to a module's ``state_dict()`` by their HF names. Every tens
 of the checkpoint must be used and every parameter must be found; anything else is
 a :class:`~hybridkv.errors.WeightLoadError` that lists the names. The only allowed
 gap is ``lm_head.weight`` when the config ties it to the input embedding.
+
+A multimodal checkpoint (``Gemma3ForConditionalGeneration``, ``Llama4ForConditionalGeneration``)
+is loaded through :func:`language_model_weight_name`: its language model's tensors by
+their text-model names, the vision tower and projector skipped.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from hybridkv.errors import InvalidConfigError, WeightLoadError
 
-__all__ = ["read_config", "eos_token_ids", "checkpoint_files", "load_weights"]
+__all__ = ["read_config", "eos_token_ids", "checkpoint_files", "language_model_weight_name", "load_weights"]
 
 _MAX_LISTED = 12
 
@@ -83,6 +87,41 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+#: where multimodal checkpoints keep the language model -> the text model's names. transformers
+#: 5.24 writes (and Llama-4-Scout / gemma-3-4b-it ship) ``language_model.model.layers.0...`` and
+#: ``language_model.lm_head.weight``; checkpoints saved by 4.52 - 4.57 have
+#: ``model.language_model.layers.0...`` and ``lm_head.weight`` (already the text name)
+_LANGUAGE_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+#: the vision tower and the projector, in both layouts: not loaded
+_VISION_PREFIXES = tuple(
+    f"{outer}{part}." for outer in ("", "model.") for part in ("vision_tower", "vision_model", "multi_modal_projector")
+)
+
+
+def language_model_weight_name(name: str) -> str | None:
+    """The text model's name of a multimodal checkpoint's tensor ``name``; None for vision / projector ones.
+
+    >>> language_model_weight_name("language_model.model.layers.0.self_attn.q_proj.weight")
+    'model.layers.0.self_attn.q_proj.weight'
+    >>> language_model_weight_name("model.language_model.norm.weight"), language_model_weight_name("lm_head.weight")
+    ('model.norm.weight', 'lm_head.weight')
+    >>> language_model_weight_name("model.vision_tower.encoder.layers.0.mlp.fc1.bias") is None
+    True
+
+    Any other name is kept (and reported as unknown if the model has no such tensor).
+    """
+    for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    return name
+
+
 def _listing(names: Iterable[str]) -> str:
     names = sorted(names)
     shown = ", ".join(names[:_MAX_LISTED])
@@ -96,12 +135,15 @@ def load_weights(
     model_dir: str | Path,
     tied: dict[str, str] | None = None,
     dtype: torch.dtype | None = None,
+    rename: Callable[[str], str | None] | None = None,
 ) -> None:
     """Copy the checkpoint of ``model_dir`` into ``module``'s parameters by name.
 
     ``tied`` maps a parameter that may be absent to the one it shares storage with
     (``{"lm_head.weight": "model.embed_tokens.weight"}``); the module must already
-    tie them. Raises WeightLoadError for unknown, missing or misshaped tensors.
+    tie them. ``rename`` maps a checkpoint name to the parameter's (None: skip the
+    tensor). Raises WeightLoadError for unknown, missing, misshaped or repeated tensors
+    (messages name the checkpoint's tensors as the file does).
     """
     from safetensors import safe_open
 
@@ -110,20 +152,27 @@ def load_weights(
     seen: set[str] = set()
     unknown: list[str] = []
     misshaped: list[str] = []
+    repeated: list[str] = []
     for path in checkpoint_files(model_dir):
         try:
             handle = safe_open(str(path), framework="pt")
         except Exception as exc:  # safetensors raises its own error types
             raise WeightLoadError(f"cannot read {path}: {exc}") from None
         with handle as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = rename(stored) if rename is not None else stored
+                if name is None:
+                    continue
                 target = params.get(name)
                 if target is None:
-                    unknown.append(name)
+                    unknown.append(stored)
                     continue
-                tensor = f.get_tensor(name)
+                if name in seen:  # two layouts of one tensor in one checkpoint
+                    repeated.append(stored)
+                    continue
+                tensor = f.get_tensor(stored)
                 if tuple(tensor.shape) != tuple(target.shape):
-                    misshaped.append(f"{name} {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+                    misshaped.append(f"{stored} {tuple(tensor.shape)} != expected {tuple(target.shape)}")
                     continue
                 with torch.no_grad():
                     target.data.copy_(tensor.to(dtype or target.dtype))
@@ -136,5 +185,7 @@ def load_weights(
         problems.append(f"missing tensors: {_listing(missing)}")
     if misshaped:
         problems.append(f"misshaped tensors: {_listing(misshaped)}")
+    if repeated:
+        problems.append(f"tensors stored twice: {_listing(repeated)}")
     if problems:
         raise WeightLoadError(f"{model_dir}: " + "; ".join(problems))
