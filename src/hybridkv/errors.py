@@ -13,6 +13,7 @@ also derive from it (``ValueError``, ``KeyError``) so generic handlers still wor
     │   ├── UnknownRequestError
     │   ├── DuplicateRequestError
     │   ├── RequestFreedError     freeing (or using) a request that is already freed
+    │   ├── StaleHitError         a prefix hit whose blocks no longer hold the request's prefix
     │   └── PromptTooLongError
     ├── PoolTooSmallError         the block pool cannot hold even one request
     ├── TraceFormatError          a bad line in a workload trace (carries the line number)
@@ -32,6 +33,7 @@ __all__ = [
     "UnknownRequestError",
     "DuplicateRequestError",
     "RequestFreedError",
+    "StaleHitError",
     "PromptTooLongError",
     "PoolTooSmallError",
     "TraceFormatError",
@@ -77,6 +79,13 @@ class DuplicateRequestError(RequestError):
 
 class RequestFreedError(RequestError):
     """A request is freed (or used) after it was already freed."""
+
+
+class StaleHitError(RequestError):
+    """A prefix hit passed to ``allocate_slots`` is no longer (or never was) the request's
+    cached prefix: its blocks were evicted or re-cached since ``get_computed_blocks``
+    found them, or the hit was found for other tokens. Nothing was changed; look the
+    hit up again."""
 
 
 class PromptTooLongError(RequestError, ValueError):

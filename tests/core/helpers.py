@@ -39,3 +39,33 @@ def mark_cached(pool: BlockPool, hashes: list[bytes], cached: list[bool], group:
 
 def ids(blocks) -> list[int]:
     return [b.block_id for b in blocks]
+
+
+def pool_snapshot(pool: BlockPool) -> tuple:
+    """Everything a BlockPool holds: per block (ref_cnt, hash, group, stripe members),
+    the free queue in order, the hash maps, the free count and the cache epoch."""
+    blocks = tuple(
+        (b.ref_cnt, b.block_hash, b.group_id, b.width, tuple(m.block_id for m in b.stripe) if b.stripe else None)
+        for b in pool.blocks
+    )
+    fq = pool.free_queue
+    queue = (tuple(fq.lru), tuple((w, ids(st)) for w, st in sorted(fq.stacks.items()) if st))
+    maps = tuple(
+        tuple(sorted((h, tuple(sorted(e)) if type(e) is dict else e.block_id) for h, e in m.items()))
+        for m in pool._cached
+    )
+    return blocks, queue, maps, pool.num_free_blocks, pool.cache_epoch
+
+
+def manager_snapshot(kv, requests=()) -> tuple:
+    """A KVCacheManager's whole state (pool, every manager's tables and counts, the live
+    and quiet sets, stats) plus each given request's tokens, hashes and computed count."""
+    tables = tuple(
+        tuple(sorted((rid, tuple(ids(st.blocks)), st.num_cached, st.num_skipped) for rid, st in m.requests.items()))
+        for m in kv.coordinator.managers
+    )
+    reqs = tuple(
+        (r.request_id, tuple(r.all_token_ids), tuple(r.block_hashes), r.num_computed_tokens) for r in requests
+    )
+    return (pool_snapshot(kv.pool), tables, tuple(sorted(kv._live)), tuple(sorted(kv._quiet)),
+            (kv.stats.requests, kv.stats.queries, kv.stats.hits), reqs)

@@ -43,7 +43,7 @@ takes 7, then unmakes (1, 2, 3), takes 1 and keeps 2 and 3 as free plain blocks
 
 from __future__ import annotations
 
-from operator import attrgetter
+from operator import attrgetter, length_hint
 from typing import Iterable, Sequence
 
 from hybridkv.core.blocks import NULL_BLOCK_ID, FreeBlockQueue, KVCacheBlock, bind_stripes, unmake_stripe
@@ -76,10 +76,10 @@ class BlockPool:
         uncached_first: bool = True,
         block_size: int = 0,
     ):
-        if num_blocks < 2:
-            raise InvalidArgumentError(f"a block pool needs at least 2 blocks (null + 1), got {num_blocks}")
-        if num_groups < 1:
-            raise InvalidArgumentError(f"num_groups must be >= 1, got {num_groups}")
+        if type(num_blocks) is not int or num_blocks < 2:
+            raise InvalidArgumentError(f"a block pool needs an int of at least 2 blocks (null + 1), got {num_blocks!r}")
+        if type(num_groups) is not int or num_groups < 1:
+            raise InvalidArgumentError(f"num_groups must be an int >= 1, got {num_groups!r}")
         self.num_blocks = num_blocks
         self.num_groups = num_groups
         self.enable_caching = enable_caching
@@ -101,6 +101,9 @@ class BlockPool:
         self._stripe_groups: dict[int, tuple[int, ...]] = {}
         self._member_of: list[tuple[int, int]] = [(g, 0) for g in range(num_groups)]
         self._events: list[KVCacheEvent] = []
+        #: bumped whenever cached blocks lose their content address (eviction, reset): a
+        #: prefix hit found at an unchanged epoch still holds what it was found under
+        self.cache_epoch = 0
 
     def stripe_groups(self, group_ids: Sequence[int]) -> None:
         """Let ``group_ids`` (one spec, lock-step) hold stripes; group_ids[0] is the lead group."""
@@ -141,16 +144,25 @@ class BlockPool:
             out.append(hit)
         return out
 
+    def _check_group(self, group_id: int) -> None:
+        if type(group_id) is not int or not 0 <= group_id < self.num_groups:
+            raise InvalidArgumentError(f"group id must be an int in [0, {self.num_groups}), got {group_id!r}")
+
     def group_map(self, group_id: int) -> dict:
         """Group ``group_id``'s hash map (hash -> block, or {block_id: block} for duplicates); read only.
 
         For striped groups it is the lead group's map, whose blocks are stripe leads."""
+        self._check_group(group_id)
         return self._cached[self._member_of[group_id][0]]
 
     def lookup(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
         """The cached block of ``block_hash`` in one group (no list built)."""
+        self._check_group(group_id)
         lead_group, j = self._member_of[group_id]
-        hit = self._cached[lead_group].get(block_hash)
+        try:
+            hit = self._cached[lead_group].get(block_hash)
+        except TypeError:  # unhashable
+            raise InvalidArgumentError(f"a block hash is bytes, got {block_hash!r:.40}") from None
         if hit is not None and type(hit) is dict:
             hit = next(iter(hit.values()))
         if hit is not None and j:
@@ -165,8 +177,8 @@ class BlockPool:
         A free stripe taken here is unmade: its members serve as plain blocks, and
         those not needed are kept as uncached plain blocks, reused first.
         """
-        if num_blocks > self._num_free:
-            raise InvalidArgumentError(f"asked for {num_blocks} blocks, only {self._num_free} free")
+        if type(num_blocks) is not int or not 0 <= num_blocks <= self._num_free:
+            raise InvalidArgumentError(f"asked for {num_blocks!r} blocks, only {self._num_free} free")
         fq = self.free_queue
         new = fq.pop_stack(1, num_blocks)
         if len(new) < num_blocks:
@@ -185,6 +197,8 @@ class BlockPool:
         the LRU's entries from its head (cached stripes of this width whole, the
         others unmade). New stripe i of m has members blocks[i], blocks[m + i], ...
         """
+        if type(width) is not int or width < 1 or type(num_stripes) is not int or num_stripes < 0:
+            raise InvalidArgumentError(f"asked for {num_stripes!r} stripes of width {width!r}")
         if width == 1:
             return self.get_new_blocks(num_stripes)
         need = num_stripes * width
@@ -256,6 +270,7 @@ class BlockPool:
     def _evict_all(self, blocks: list[KVCacheBlock]) -> None:
         """Forget the content address of every cached block (or stripe) among ``blocks``."""
         maps = self._cached
+        self.cache_epoch += 1
         events = self._events if self.enable_kv_events else None
         for block in blocks:
             key = block.block_hash
@@ -289,8 +304,13 @@ class BlockPool:
         Null blocks and blocks already cached (prefix hits) are skipped. For a
         striped lead group, ``blocks`` are stripe leads and every member group is cached.
         """
+        self._check_group(group_id)
         if self._member_of[group_id][1]:
             raise InvalidArgumentError(f"group {group_id} is striped: cache its stripes through their lead group")
+        if not (type(start) is int and type(end) is int and 0 <= start <= end <= min(len(blocks), len(block_hashes))):
+            raise InvalidArgumentError(
+                f"cache range [{start!r}, {end!r}) is outside {len(blocks)} blocks / {len(block_hashes)} hashes"
+            )
         cached = self._cached[group_id]
         stored: list[KVCacheBlock] = []
         stored_hashes: list[BlockHash] = []
@@ -325,17 +345,29 @@ class BlockPool:
                 )
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on prefix-hit blocks (or stripe leads), reviving free ones."""
+        """Take a reference on prefix-hit blocks (or stripe leads), reviving free ones.
+
+        A block that is neither held nor free (a stripe's follower, another pool's
+        block) raises InvalidArgumentError; the blocks before it are released again
+        (revived ones to the LRU's tail).
+        """
         fq = self.free_queue
         q = fq.lru
-        for block in blocks:
+        blocks = blocks if type(blocks) is list else list(blocks)
+        it = iter(blocks)
+        for block in it:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
                 if block.block_id in q:
                     del q[block.block_id]
                 else:
-                    fq.take(block)
+                    try:
+                        fq.take(block)
+                    except ValueError:
+                        done = blocks[:len(blocks) - length_hint(it) - 1]
+                        self.free_blocks(done[::-1])
+                        raise InvalidArgumentError(f"block {block.block_id} is not free: cannot touch it") from None
                 self._num_free -= block.width
             block.ref_cnt += 1
 
@@ -343,12 +375,16 @@ class BlockPool:
         """Drop one reference on each block (or stripe lead); those reaching 0 are free:
         uncached ones reused first, cached ones to the LRU tail in the order given.
         Pass a request's blocks tail-most first (they are then evicted first).
+
+        A block freed more often than taken raises InvariantViolation, nothing freed.
         """
         fq = self.free_queue
         q = fq.lru
         stacks = fq.stacks if fq.uncached_first else None
         freed = 0
-        for block in ordered_blocks:
+        blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
+        it = iter(blocks)
+        for block in it:
             if block.is_null:
                 continue
             block.ref_cnt -= 1
@@ -359,7 +395,7 @@ class BlockPool:
                     q[block.block_id] = block
                 freed += block.width
             elif block.ref_cnt < 0:
-                self._num_free += freed
+                self._num_free += freed - self.free_queue.take_back(blocks[:len(blocks) - length_hint(it)])
                 raise InvariantViolation(f"block {block.block_id} freed more often than it was taken")
         self._num_free += freed
 
@@ -367,6 +403,7 @@ class BlockPool:
         """Forget every cached block. Refused (False) while any block is in use."""
         if self._num_free != self.num_blocks - 1:
             return False
+        self.cache_epoch += 1
         for group in self._cached:
             group.clear()
         fq = self.free_queue

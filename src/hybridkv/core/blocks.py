@@ -139,6 +139,20 @@ class FreeBlockQueue:
         else:
             self.stacks[block.width].remove(block)  # an uncached entry: not a hit, kept for safety
 
+    def take_back(self, done: list[KVCacheBlock]) -> int:
+        """Undo a free of ``done`` that failed at done[-1] (its ref_cnt fell to -1):
+        references restored, entries it queued taken out again; returns their blocks."""
+        done[-1].ref_cnt += 1
+        taken = 0
+        for block in reversed(done[:-1]):
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:  # freed by that call
+                self.take(block)
+                taken += block.width
+            block.ref_cnt += 1
+        return taken
+
     def pop_stack(self, width: int, n: int) -> list[KVCacheBlock]:
         """Up to n uncached entries of ``width``, top first."""
         st = self.stacks[width]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridkv.core.hashing import HASH_ALGOS
 from hybridkv.core.specs import KVCacheSpec
 from hybridkv.errors import InvalidConfigError
 
@@ -92,3 +93,8 @@ class CacheManagerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len <= 0:
             raise InvalidConfigError(f"max_model_len must be a positive int, got {self.max_model_len!r}")
+        for name in ("enable_caching", "use_eagle", "enable_kv_events", "stripe_groups"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.hash_algo, str) or self.hash_algo not in HASH_ALGOS:
+            raise InvalidConfigError(f"unknown hash algorithm {self.hash_algo!r}; expected one of {sorted(HASH_ALGOS)}")

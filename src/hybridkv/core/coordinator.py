@@ -20,6 +20,7 @@ full → 3; chunked(3) → chunk of token 3 starts at 2, block 2 hits → 3. L =
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Sequence
 
 from hybridkv.core.block_pool import BlockPool, KVCacheBlock
@@ -27,11 +28,14 @@ from hybridkv.core.config import KVCacheConfig
 from hybridkv.core.hashing import BlockHash
 from hybridkv.core.managers import AttentionManager, manager_class_for
 from hybridkv.core.request import Request
-from hybridkv.errors import InvariantViolation
+from hybridkv.errors import InvalidArgumentError, InvariantViolation, StaleHitError
 
 __all__ = ["KVCacheCoordinator"]
 
 PerGroup = tuple[list[KVCacheBlock], ...]
+
+_HASH = attrgetter("block_hash")
+_GROUP = attrgetter("group_id")
 
 
 class KVCacheCoordinator:
@@ -109,8 +113,60 @@ class KVCacheCoordinator:
         return tuple(out)
 
     def hit_of(self, per_group: PerGroup) -> dict:
-        """The inverse of :meth:`expand`: each manager's first group's list."""
+        """The inverse of :meth:`expand`: each manager's first group's list.
+
+        For blocks a caller built (not from :meth:`find_hit`): one list per group, of
+        this pool's blocks, else InvalidArgumentError. Their content is for
+        :meth:`check_hit`.
+        """
+        if not isinstance(per_group, (tuple, list)):
+            raise InvalidArgumentError(f"new_computed_blocks needs one block list per group ({self.num_groups})")
+        if not any(per_group):
+            return {}
+        if len(per_group) != self.num_groups:
+            raise InvalidArgumentError(f"new_computed_blocks needs one block list per group ({self.num_groups})")
+        blocks = self.pool.blocks
+        for group in per_group:
+            try:
+                if [blocks[b.block_id] for b in group] != list(group):  # identity: KVCacheBlock has no __eq__
+                    raise LookupError
+            except (AttributeError, TypeError, LookupError):
+                raise InvalidArgumentError("new_computed_blocks holds something that is not a block of this pool") from None
         return {m: per_group[m.group_ids[0]] for m in self.managers if per_group[m.group_ids[0]]}
+
+    def check_hit(self, hit: dict, block_hashes: Sequence[BlockHash]) -> int:
+        """The hit's length in blocks, after checking that it is still the prefix of
+        ``block_hashes`` (O(blocks in the hit), C-speed passes); StaleHitError if not.
+
+        Every manager must have a list of one length; leading null blocks only where
+        the manager skips tokens; every other block must still be cached, for the
+        manager's first group, under the hash of its position. Example (block 4,
+        full + sliding W 5, hit of 8 tokens: [b3, b7] and [null, b9]): b3, b7 and b9
+        must hold hashes 0, 1 and 1; had b7 been evicted (hash None) or re-cached for
+        other tokens, the hit is stale.
+        """
+        if len(hit) != len(self.managers):
+            raise InvalidArgumentError("new_computed_blocks misses the blocks of some group")
+        null = self.pool.null_block
+        length = None
+        for m, leads in hit.items():
+            if length is None:
+                length = len(leads)
+            elif len(leads) != length:
+                raise InvalidArgumentError(f"new_computed_blocks has lists of {length} and {len(leads)} blocks")
+            n = leads.count(null)  # null blocks lead a hit
+            if n > m.num_skipped_tokens(length * self.block_size) // self.block_size:
+                raise InvalidArgumentError(f"new_computed_blocks has null blocks where group {m.group_ids[0]} needs KV")
+            real = leads[n:] if n else leads
+            gid = m.group_ids[0]
+            if list(map(_HASH, real)) != block_hashes[n:length] or list(map(_GROUP, real)).count(gid) != len(real):
+                i = next(i for i in range(n, length)
+                         if i >= len(block_hashes) or leads[i].block_hash != block_hashes[i] or leads[i].group_id != gid)
+                raise StaleHitError(
+                    f"prefix hit block {leads[i].block_id} (group {gid}, position {i}) no longer holds the "
+                    f"request's cached prefix (evicted or re-cached since the hit was found, or found for other tokens)"
+                )
+        return length or 0
 
     def _fixed_point(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[dict, int]:
         length = max_length

@@ -8,7 +8,10 @@ Per step, for each request it schedules, a scheduler calls::
     ...run the model..., then req.num_computed_tokens += n + num_new_tokens
     req.append_token_ids(sampled)                     # hashes of full blocks follow
 
-and ``kv.free(req)`` when the request finishes or is preempted.
+and ``kv.free(req)`` when the request finishes or is preempted. A hit is used at
+once: allocating other requests first can evict its blocks, and allocate_slots then
+raises StaleHitError (nothing changed; look it up again). Misuse of any call raises a
+typed error from :mod:`hybridkv.errors` and changes nothing.
 
 Block layout of one ``allocate_slots`` call (tokens)::
 
@@ -21,16 +24,18 @@ Block layout of one ``allocate_slots`` call (tokens)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from hybridkv.core.block_pool import KVCacheBlock
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig
 from hybridkv.core.coordinator import KVCacheCoordinator
 from hybridkv.core.events import KVCacheEvent
+from hybridkv.core.hashing import MultiModalFeature
 from hybridkv.core.managers.base import NEVER
 from hybridkv.core.request import BlockHasher, Request
 from hybridkv.errors import (
     InvalidArgumentError,
+    InvalidConfigError,
     InvariantViolation,
     PromptTooLongError,
     RequestError,
@@ -47,15 +52,21 @@ class KVCacheBlocks:
     A prefix hit from :meth:`KVCacheManager.get_computed_blocks` keeps the
     coordinator's compact form (each manager's first-group blocks; striped groups'
     lists follow from their leads) and builds the per-group lists only when asked.
+    It also remembers the request it was found for and the pool's cache epoch then,
+    so ``allocate_slots`` can tell in O(1) that it is still valid.
     """
 
-    __slots__ = ("_blocks", "_hit", "_coordinator")
+    __slots__ = ("_blocks", "_hit", "_coordinator", "_request", "_epoch")
 
     def __init__(self, blocks: tuple[list[KVCacheBlock], ...] | None = None, *, hit: dict | None = None,
-                 coordinator: KVCacheCoordinator | None = None):
+                 coordinator: KVCacheCoordinator | None = None, request: Request | None = None, epoch: int = -1):
+        if blocks is None and hit is None:
+            blocks = ()
         self._blocks = blocks
         self._hit = hit
         self._coordinator = coordinator
+        self._request = request
+        self._epoch = epoch
 
     @property
     def blocks(self) -> tuple[list[KVCacheBlock], ...]:
@@ -93,6 +104,12 @@ class KVCacheManager:
     """Hybrid paged KV cache: one pool, per-type managers, prefix caching."""
 
     def __init__(self, kv_cache_config: KVCacheConfig, config: CacheManagerConfig, *, uncached_first: bool = True):
+        if not isinstance(kv_cache_config, KVCacheConfig):
+            raise InvalidConfigError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r:.60}")
+        if not isinstance(config, CacheManagerConfig):
+            raise InvalidConfigError(f"config must be a CacheManagerConfig, got {config!r:.60}")
+        if not isinstance(uncached_first, bool):
+            raise InvalidConfigError(f"uncached_first must be a bool, got {uncached_first!r}")
         self.kv_cache_config = kv_cache_config
         self.config = config
         self.block_size = kv_cache_config.block_size
@@ -118,17 +135,43 @@ class KVCacheManager:
         self._quiet: dict[str, tuple[Request, int, int]] = {}
 
     # ------------------------------------------------------------- requests
-    def make_request(self, request_id: str, prompt_token_ids: Sequence[int], **extra) -> Request:
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_features: Iterable[MultiModalFeature] = (),
+        **unknown,
+    ) -> Request:
         """A Request whose block hashes match this manager's block size and hash."""
-        return Request(request_id, prompt_token_ids, hasher=self.hasher, **extra)
+        if unknown:
+            raise InvalidArgumentError(f"make_request got unknown keyword(s) {sorted(unknown)}")
+        return Request(request_id, prompt_token_ids, hasher=self.hasher, lora_name=lora_name,
+                       cache_salt=cache_salt, mm_features=mm_features)
+
+    def _check_request(self, request: Request) -> None:
+        """A Request whose hashes this manager can use (made by a manager of the same
+        block size and hash, or without a hasher: then it is never cached)."""
+        if not isinstance(request, Request):
+            raise InvalidArgumentError(f"expected a Request, got {request!r:.60}")
+        hasher = request._hasher
+        if hasher is not None and hasher is not self.hasher and not (self.hasher and self.hasher.compatible(hasher)):
+            raise InvalidArgumentError(
+                f"request {request.request_id!r} was hashed with block size {hasher.block_size} or another "
+                f"hash; make it with this manager's make_request"
+            )
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest cached prefix of a new request valid for every group.
 
         The last prompt token is always recomputed (its logits are needed), so at
         most ``num_tokens - 1`` tokens, rounded down to whole blocks, can hit.
-        Takes no references: pass the result to :meth:`allocate_slots`.
+        Takes no references: pass the result to :meth:`allocate_slots` before any
+        other request is allocated (see there for a hit that went stale meanwhile).
         """
+        self._check_request(request)
         if not self.enable_caching:
             return self._empty, 0
         hit, num_hit = self.coordinator.find_hit(request.block_hashes, request.num_tokens - 1)
@@ -137,7 +180,8 @@ class KVCacheManager:
         self.stats.hits += num_hit
         if not num_hit:
             return self._empty, 0
-        return KVCacheBlocks(hit=hit, coordinator=self.coordinator), num_hit
+        return KVCacheBlocks(hit=hit, coordinator=self.coordinator, request=request,
+                             epoch=self.pool.cache_epoch), num_hit
 
     def allocate_slots(
         self,
@@ -153,13 +197,32 @@ class KVCacheManager:
         hold them. On None the request's tables and counts are unchanged; blocks no
         future token attends to may already have been returned to the pool.
 
+        A prefix hit (``new_computed_blocks``, from :meth:`get_computed_blocks`) is
+        for a new request. It takes no references until this call, so allocating
+        other requests in between can evict its blocks. Such a *stale* hit raises
+        StaleHitError with nothing changed; call get_computed_blocks again (the
+        hit may now be shorter, and the caller's token counts follow it, which is
+        why the manager does not silently re-find it). Checking costs O(1) when no
+        cached block lost its address since the hit was found (the pool's cache
+        epoch) and the hit is passed for the request it was found for; else one
+        pass over the hit's blocks compares each one's hash and group with the
+        request's hash at that position.
+
+        Misuse raises a typed error (``hybridkv.errors``), again with nothing
+        changed: negative or non-int counts, a request with too few tokens, one
+        beyond max_model_len, a hit for a request that already holds blocks, or a
+        new (or freed) request whose num_computed_tokens is not 0.
+
         Fast path: most decode steps need no block (the last one has room, no block
         fills, none dies). After each call the manager remembers up to which token
         count that holds (block 16: a request with 2 blocks, 1 cached, 20 computed
         is quiet while it needs <= 31 slots and fewer than the next chunk start
         tokens are computed), and answers such calls at once with no new blocks.
         """
-        quiet = self._quiet.get(request.request_id)
+        try:
+            quiet = self._quiet.get(request.request_id)
+        except AttributeError:  # not a Request: _check_request says so below
+            quiet = None
         if (
             quiet is not None
             and quiet[0] is request
@@ -169,7 +232,7 @@ class KVCacheManager:
             and not num_new_computed_tokens
             and not num_lookahead_tokens
         ):
-            computed = request.num_computed_tokens
+            computed = request._num_computed_tokens  # the property's slot: 30 ns less per call
             total = computed + num_new_tokens
             if total <= quiet[1] and computed < quiet[2] and total <= len(request.all_token_ids):
                 return self._no_new_blocks
@@ -180,25 +243,36 @@ class KVCacheManager:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
+        self._check_request(request)
         rid = request.request_id
         coord = self.coordinator
         live = self._live.get(rid)
         if live is not None and live is not request:
             raise RequestError(f"another request with id {rid!r} holds blocks")
+        if live is None:
+            if request.num_computed_tokens:
+                raise RequestError(
+                    f"request {rid!r} holds no blocks but has num_computed_tokens {request.num_computed_tokens}; "
+                    f"a new (or freed) request starts at 0"
+                )
         hit = None  # {manager: first-group blocks}
-        hit_blocks = 0
+        trusted = False  # found for this request, and no cached block lost its address since
         if new_computed_blocks is not None:
+            if not isinstance(new_computed_blocks, KVCacheBlocks):
+                raise InvalidArgumentError(
+                    f"new_computed_blocks must be KVCacheBlocks (from get_computed_blocks), got {new_computed_blocks!r:.60}"
+                )
             if new_computed_blocks._hit is not None and new_computed_blocks._coordinator is coord:
-                hit = new_computed_blocks._hit
-            elif new_computed_blocks.blocks and any(new_computed_blocks.blocks):
-                hit = coord.hit_of(new_computed_blocks.blocks)
-            if hit:
-                hit_blocks = len(next(iter(hit.values())))
+                hit = new_computed_blocks._hit or None
+                trusted = new_computed_blocks._request is request and new_computed_blocks._epoch == self.pool.cache_epoch
             else:
-                hit = None
+                hit = coord.hit_of(new_computed_blocks.blocks) or None
+        hit_blocks = 0
         if hit is not None or num_new_computed_tokens:
             if live is not None:
                 raise RequestError(f"request {rid!r} already holds blocks; prefix hits are for new requests")
+            if hit is not None:
+                hit_blocks = len(next(iter(hit.values()))) if trusted else coord.check_hit(hit, request.block_hashes)
             if hit_blocks * self.block_size != num_new_computed_tokens:
                 raise InvalidArgumentError(
                     f"num_new_computed_tokens {num_new_computed_tokens} != "
@@ -252,7 +326,12 @@ class KVCacheManager:
 
     def free(self, request: Request | str) -> None:
         """Return every block of a finished or preempted request to the pool."""
-        rid = request if isinstance(request, str) else request.request_id
+        if isinstance(request, str):
+            rid = request
+        elif isinstance(request, Request):
+            rid = request.request_id
+        else:
+            raise InvalidArgumentError(f"free takes a Request or a request id, got {request!r:.60}")
         self._quiet.pop(rid, None)
         if self._live.pop(rid, None) is None:
             if rid in self._freed:
@@ -265,24 +344,38 @@ class KVCacheManager:
 
     def remove_skipped_blocks(self, request: Request) -> None:
         """Free the request's blocks no future token attends to, now (allocate_slots also does)."""
+        self._check_request(request)
         if request.request_id not in self._live:
             raise UnknownRequestError(f"request {request.request_id!r} holds no blocks")
         self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
 
     # ------------------------------------------------------------ inspection
+    def _known(self, request_id: str) -> None:
+        """UnknownRequestError unless the request holds blocks (a non-str id: InvalidArgumentError)."""
+        if not isinstance(request_id, str):
+            raise InvalidArgumentError(f"a request id must be a str, got {request_id!r:.60}")
+        raise UnknownRequestError(f"request {request_id!r} holds no blocks")
+
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        if request_id not in self._live:
-            raise UnknownRequestError(f"request {request_id!r} holds no blocks")
+        if not self.has_request(request_id):
+            self._known(request_id)
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Block ids per group (0 = null block). Live lists: copy before keeping them."""
-        if request_id not in self._live:
-            raise UnknownRequestError(f"request {request_id!r} holds no blocks")
+        try:
+            live = request_id in self._live
+        except TypeError:  # an unhashable id
+            live = False
+        if not live:
+            self._known(request_id)
         return self.coordinator.get_block_ids(request_id)
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._live
+        try:
+            return request_id in self._live
+        except TypeError:  # an unhashable id
+            raise InvalidArgumentError(f"a request id must be a str, got {request_id!r:.60}") from None
 
     @property
     def num_free_blocks(self) -> int:
