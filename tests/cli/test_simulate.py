@@ -47,3 +47,20 @@ def test_bad_trace_line_is_one_line_error_exit_2(tmp_path):
 def test_unknown_workload(capsys):
     assert main(["simulate", "mistral-7b", "--workload", "bursty"]) == 2
     assert "unknown workload 'bursty'" in capsys.readouterr().err
+
+
+def test_readme_long_doc_figures_under_both_admission_policies(capsys):
+    """README's simulate block: the same seeded requests under vLLM's default gate and without it."""
+    import json
+
+    from hybridkv.cli import main
+
+    figures = {}
+    for policy in ("full_prompt", "first_chunk"):
+        assert main(["simulate", "llama4-scout", "--memory", "80GiB", "--workload", "long-doc",
+                     "--admission", policy, "--json"]) == 0
+        results = json.loads(capsys.readouterr().out)["results"]
+        assert [r["admission"] for r in results] == [policy, policy]
+        figures[policy] = [(r["steps"], r["preemptions"], r["peak_running"]) for r in results]
+    assert figures["full_prompt"] == [(473, 2, 43), (927, 2, 15)]
+    assert figures["first_chunk"] == [(473, 2, 43), (919, 32, 15)]

@@ -24,7 +24,7 @@ from hybridkv.cli.options import int_range, memory, tokens
 from hybridkv.errors import InvalidArgumentError, PoolTooSmallError
 from hybridkv.planner.plan import plan_model
 from hybridkv.planner.sizes import format_bytes
-from hybridkv.scheduler.config import SchedulerConfig
+from hybridkv.scheduler.config import ADMISSION_POLICIES, SchedulerConfig
 from hybridkv.scheduler.simulator import SimulationResult, simulate
 from hybridkv.scheduler.workloads import TRACE_FORMAT, WORKLOADS, load_trace, make_workload
 
@@ -56,6 +56,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-num-batched-tokens", type=int_range(1), default=8192,
                    help="token budget of a scheduler step (default 8192)")
     p.add_argument("--max-num-seqs", type=int_range(1), default=256, help="running requests at most (default 256)")
+    p.add_argument("--admission", choices=ADMISSION_POLICIES, default=ADMISSION_POLICIES[0],
+                   help="when a waiting request starts: full_prompt (its whole prompt fits the free blocks, vLLM's "
+                   "default) or first_chunk (its first prefill chunk fits) (default full_prompt)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off in both runs (default on)")
     p.add_argument("--plot", metavar="FILE", default=None,
                    help="draw KV usage and running requests to FILE, e.g. out.png or out.svg (needs matplotlib; "
@@ -96,7 +99,7 @@ def render_results(title: str, results: list[SimulationResult]) -> str:
     lines = [title, f"{'':<{width}}  " + "  ".join(f"{s['layout']:>12}" for s in summaries)]
     for label, key, fmt in ROWS:
         lines.append(f"{label:<{width}}  " + "  ".join(f"{fmt.format(s[key]):>12}" for s in summaries))
-    lines.append(f"{'admission':<{width}}  {summaries[0]['admission']}")
+    lines.append(f"{'admission':<{width}}  " + "  ".join(f"{s['admission']:>12}" for s in summaries))
     hybrid, full = summaries
     if hybrid["steps"]:
         lines.append(f"full / hybrid steps: {full['steps'] / hybrid['steps']:.2f}x")
@@ -140,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
             f"unknown workload {args.workload!r}; expected one of {sorted(WORKLOADS)} or a .jsonl trace path"
         )
     sched_cfg = SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, max_model_len=max_len
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, max_model_len=max_len,
+        admission=args.admission,
     )
     results = [
         simulate(layout.name, layout.kv_cache_config, trace, sched_cfg, bytes_per_block=layout.bytes_per_block,
