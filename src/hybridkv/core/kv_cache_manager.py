@@ -209,9 +209,10 @@ class KVCacheManager:
         request's hash at that position.
 
         Misuse raises a typed error (``hybridkv.errors``), again with nothing
-        changed: negative or non-int counts, a request with too few tokens, one
-        beyond max_model_len, a hit for a request that already holds blocks, or a
-        new (or freed) request whose num_computed_tokens is not 0.
+        changed: negative or non-int counts (the request's num_computed_tokens
+        too: it must be an int in [0, num_tokens]), a request with too few tokens,
+        one beyond max_model_len, a hit for a request that already holds blocks,
+        or a new (or freed) request whose num_computed_tokens is not 0.
 
         Fast path: most decode steps need no block (the last one has room, no block
         fills, none dies). After each call the manager remembers up to which token
@@ -221,21 +222,21 @@ class KVCacheManager:
         """
         try:
             quiet = self._quiet.get(request.request_id)
-        except AttributeError:  # not a Request: _check_request says so below
-            quiet = None
-        if (
-            quiet is not None
-            and quiet[0] is request
-            and type(num_new_tokens) is int
-            and num_new_tokens >= 0
-            and new_computed_blocks is None
-            and not num_new_computed_tokens
-            and not num_lookahead_tokens
-        ):
-            computed = request._num_computed_tokens  # the property's slot: 30 ns less per call
-            total = computed + num_new_tokens
-            if total <= quiet[1] and computed < quiet[2] and total <= len(request.all_token_ids):
-                return self._no_new_blocks
+            if (
+                quiet is not None
+                and quiet[0] is request
+                and type(num_new_tokens) is int
+                and num_new_tokens >= 0
+                and new_computed_blocks is None
+                and not num_new_computed_tokens
+                and not num_lookahead_tokens
+            ):
+                computed = request.num_computed_tokens
+                total = computed + num_new_tokens
+                if total <= quiet[1] and 0 <= computed < quiet[2] and total <= len(request.all_token_ids):
+                    return self._no_new_blocks
+        except (AttributeError, TypeError):  # not a Request / a non-number computed count: see below
+            pass
         for name, value in (
             ("num_new_tokens", num_new_tokens),
             ("num_new_computed_tokens", num_new_computed_tokens),
@@ -244,15 +245,16 @@ class KVCacheManager:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
         self._check_request(request)
+        computed = request.check_num_computed_tokens()
         rid = request.request_id
         coord = self.coordinator
         live = self._live.get(rid)
         if live is not None and live is not request:
             raise RequestError(f"another request with id {rid!r} holds blocks")
         if live is None:
-            if request.num_computed_tokens:
+            if computed:
                 raise RequestError(
-                    f"request {rid!r} holds no blocks but has num_computed_tokens {request.num_computed_tokens}; "
+                    f"request {rid!r} holds no blocks but has num_computed_tokens {computed}; "
                     f"a new (or freed) request starts at 0"
                 )
         hit = None  # {manager: first-group blocks}
@@ -278,7 +280,7 @@ class KVCacheManager:
                     f"num_new_computed_tokens {num_new_computed_tokens} != "
                     f"{hit_blocks * self.block_size} tokens of new_computed_blocks"
                 )
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_computed = computed + num_new_computed_tokens
         num_tokens = num_computed + num_new_tokens
         if num_tokens > self.max_model_len:
             raise PromptTooLongError(
@@ -290,8 +292,8 @@ class KVCacheManager:
             )
         num_slots = min(num_tokens + num_lookahead_tokens, self.max_model_len)
 
-        if live is not None and (quiet is None or request.num_computed_tokens >= quiet[2]):
-            coord.remove_skipped_blocks(rid, request.num_computed_tokens)  # a block may have died
+        if live is not None and (quiet is None or computed >= quiet[2]):
+            coord.remove_skipped_blocks(rid, computed)  # a block may have died
         need = coord.get_num_blocks_to_allocate(rid, num_slots, hit, num_computed)
         if need > self.pool.num_free_blocks:
             return None
@@ -347,7 +349,7 @@ class KVCacheManager:
         self._check_request(request)
         if request.request_id not in self._live:
             raise UnknownRequestError(f"request {request.request_id!r} holds no blocks")
-        self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+        self.coordinator.remove_skipped_blocks(request.request_id, request.check_num_computed_tokens())
 
     # ------------------------------------------------------------ inspection
     def _known(self, request_id: str) -> None:

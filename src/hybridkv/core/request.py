@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from operator import attrgetter, index
+from operator import index
 from typing import Iterable, Sequence
 
 from hybridkv.core.hashing import BlockHash, HashFn, MultiModalFeature, get_hash_fn, pack_token_ids, seed_hash
@@ -123,16 +123,20 @@ class Request:
 
     ``num_computed_tokens`` counts tokens whose KV is in the cache (prefix hits
     included); the caller advances it after each step, to an int in
-    ``[0, num_tokens]`` (anything else raises InvalidArgumentError and keeps the old
-    value). Extra keys: ``lora_name``, ``cache_salt`` and ``mm_features`` (see
-    :mod:`hybridkv.core.hashing`).
+    ``[0, num_tokens]``. It is a plain attribute: the KV cache manager checks it
+    where it reads it (allocate_slots raises InvalidArgumentError, nothing changed;
+    its decode fast path checks only the sign, so a float is refused at the next
+    call that needs a block). A validating property cost 0.3-0.7 us per
+    request-step in ``benchmarks/bench_manager.py`` (+10-27%: a Python-level setter
+    on the scheduler's hottest line). Extra keys: ``lora_name``, ``cache_salt`` and
+    ``mm_features`` (see :mod:`hybridkv.core.hashing`).
     """
 
     __slots__ = (
         "request_id",
         "all_token_ids",
         "num_prompt_tokens",
-        "_num_computed_tokens",
+        "num_computed_tokens",
         "block_hashes",
         "lora_name",
         "cache_salt",
@@ -174,7 +178,7 @@ class Request:
         self.request_id = request_id
         self.all_token_ids: list[int] = tokens
         self.num_prompt_tokens = len(tokens)
-        self._num_computed_tokens = 0
+        self.num_computed_tokens = 0
         self.block_hashes: list[BlockHash] = []
         self.lora_name = lora_name
         self.cache_salt = cache_salt
@@ -183,16 +187,16 @@ class Request:
         if hasher is not None:
             hasher.extend(self, packed)
 
-    def _set_num_computed_tokens(self, value: int) -> None:
+    def check_num_computed_tokens(self) -> int:
+        """``num_computed_tokens`` if it is an int in [0, num_tokens], else InvalidArgumentError."""
+        value = self.num_computed_tokens
         if type(value) is not int or not 0 <= value <= len(self.all_token_ids):
+            shown = repr(value) if type(value) in (int, float, bool) or value is None else f"a {type(value).__name__}"
             raise InvalidArgumentError(
                 f"request {self.request_id!r}: num_computed_tokens must be an int in "
-                f"[0, {len(self.all_token_ids)}], got {value!r:.40}"
+                f"[0, {len(self.all_token_ids)}], got {shown}"
             )
-        self._num_computed_tokens = value
-
-    # read through a C getter: the manager's decode fast path reads it every step
-    num_computed_tokens = property(attrgetter("_num_computed_tokens"), _set_num_computed_tokens)
+        return value
 
     @property
     def num_tokens(self) -> int:
@@ -238,5 +242,6 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, hashes={len(self.block_hashes)})"
+            f"computed={self.num_computed_tokens if type(self.num_computed_tokens) is int else '?'}, "
+            f"hashes={len(self.block_hashes)})"
         )
