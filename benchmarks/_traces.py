@@ -45,6 +45,7 @@ with its prompt plus the tokens it has generated, like vLLM's scheduler.
 
 from __future__ import annotations
 
+import functools
 import gc
 import random
 import time
@@ -591,7 +592,8 @@ class HybridLane:
 
             self._Request = Request
             self.hash_request = kv.hasher.extend  # the prompt's block hashes (Request.__init__ does this)
-            self.new_ids = KVCacheBlocks.get_block_ids  # allocate_slots' result: the new ids per group
+            # allocate_slots' result: the new ids per group (None when none, as vLLM's scheduler asks)
+            self.new_ids = functools.partial(KVCacheBlocks.get_block_ids, allow_none=True)
             # the whole table: the manager's id lists (live; hybridkv's scheduler hands them to the
             # runner as they are, where vLLM builds new lists from its block objects)
             self.table_ids = kv.get_block_ids

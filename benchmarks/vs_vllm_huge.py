@@ -152,7 +152,7 @@ def measure(layout: str, length: int, rounds: int, cycles: int) -> dict:
     sides = sides_for(layout, length)
     positions = length // BLOCK
     per = {s.name: {p: [] for p in (*PHASES, "total", "hash")} for s in sides}
-    ratios, ratios_af = [], []
+    ratios, ratios_af, ratios_adopt, ratios_free = [], [], [], []
     gc.collect()
     gc.freeze()
     try:
@@ -175,13 +175,17 @@ def measure(layout: str, length: int, rounds: int, cycles: int) -> dict:
             h, v = acc["hybridkv"], acc["vllm"]
             ratios.append(sum(h.values()) / sum(v.values()))
             ratios_af.append((h["adopt"] + h["ids"] + h["free"]) / (v["adopt"] + v["ids"] + v["free"]))
+            ratios_adopt.append(h["adopt"] / v["adopt"])
+            ratios_free.append(h["free"] / v["free"])
     finally:
         gc.unfreeze()
     print(f"  [{layout} {fmt_len(length)}] rounds: total " + ", ".join(f"{x:.3f}" for x in ratios)
           + "; adopt+ids+free " + ", ".join(f"{x:.3f}" for x in ratios_af)
+          + "; adopt " + ", ".join(f"{x:.2f}" for x in ratios_adopt)
+          + "; free " + ", ".join(f"{x:.2f}" for x in ratios_free)
           + f" ({time.perf_counter() - t_start:.0f} s)", flush=True)
     return dict(layout=layout, length=length, per={k: _median_round(d) for k, d in per.items()}, ratios=ratios,
-                ratios_af=ratios_af)
+                ratios_af=ratios_af, ratios_adopt=ratios_adopt, ratios_free=ratios_free)
 
 
 def _median_round(series: dict[str, list[float]]) -> dict[str, float]:

@@ -47,9 +47,10 @@ from operator import attrgetter, length_hint
 from typing import Iterable, Sequence
 
 from hybridkv.core.blocks import NULL_BLOCK_ID, FreeBlockQueue, KVCacheBlock, bind_stripes, unmake_stripe
-from hybridkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from hybridkv.core.events import AllBlocksCleared, KVCacheEvent
 from hybridkv.core.hashing import BlockHash
 from hybridkv.core.pool_invariants import check_pool
+from hybridkv.core.prefix_cache_map import PrefixCacheMap
 from hybridkv.errors import InvalidArgumentError, InvariantViolation
 
 __all__ = ["KVCacheBlock", "FreeBlockQueue", "BlockPool", "NULL_BLOCK_ID"]
@@ -57,7 +58,7 @@ __all__ = ["KVCacheBlock", "FreeBlockQueue", "BlockPool", "NULL_BLOCK_ID"]
 _HASH = attrgetter("block_hash")
 
 
-class BlockPool:
+class BlockPool(PrefixCacheMap):
     """``num_blocks`` blocks (id 0 the null block) shared by ``num_groups`` KV cache groups.
 
     The prefix-cache map is keyed by (block hash, group id): one dict per group, so a
@@ -133,41 +134,6 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return sum(b.width for b in self.blocks if b.block_hash is not None)
-
-    def get_cached_block(self, block_hash: BlockHash, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
-        """The cached block of ``block_hash`` in each group, or None if any group misses."""
-        out = []
-        for g in group_ids:
-            hit = self.lookup(block_hash, g)
-            if hit is None:
-                return None
-            out.append(hit)
-        return out
-
-    def _check_group(self, group_id: int) -> None:
-        if type(group_id) is not int or not 0 <= group_id < self.num_groups:
-            raise InvalidArgumentError(f"group id must be an int in [0, {self.num_groups}), got {group_id!r}")
-
-    def group_map(self, group_id: int) -> dict:
-        """Group ``group_id``'s hash map (hash -> block, or {block_id: block} for duplicates); read only.
-
-        For striped groups it is the lead group's map, whose blocks are stripe leads."""
-        self._check_group(group_id)
-        return self._cached[self._member_of[group_id][0]]
-
-    def lookup(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
-        """The cached block of ``block_hash`` in one group (no list built)."""
-        self._check_group(group_id)
-        lead_group, j = self._member_of[group_id]
-        try:
-            hit = self._cached[lead_group].get(block_hash)
-        except TypeError:  # unhashable
-            raise InvalidArgumentError(f"a block hash is bytes, got {block_hash!r:.40}") from None
-        if hit is not None and type(hit) is dict:
-            hit = next(iter(hit.values()))
-        if hit is not None and j:
-            hit = hit.stripe[j]
-        return hit
 
     # ---------------------------------------------------------------- mutation
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -267,83 +233,6 @@ class BlockPool:
             self._evict_all(units)
         return units, widths, got
 
-    def _evict_all(self, blocks: list[KVCacheBlock]) -> None:
-        """Forget the content address of every cached block (or stripe) among ``blocks``."""
-        maps = self._cached
-        self.cache_epoch += 1
-        events = self._events if self.enable_kv_events else None
-        for block in blocks:
-            key = block.block_hash
-            if key is None:
-                continue
-            group = maps[block.group_id]
-            entry = group.get(key)
-            if entry is block:
-                del group[key]
-            elif type(entry) is dict:
-                del entry[block.block_id]
-                if len(entry) == 1:
-                    group[key] = next(iter(entry.values()))
-            if events is not None:
-                gids = self._stripe_groups.get(block.group_id, (block.group_id,))
-                for member, gid in zip(block.stripe or (block,), gids):
-                    events.append(BlockRemoved(key, member.block_id, gid, self.group_kinds[gid]))
-            block.block_hash = None
-            block.group_id = -1
-
-    def cache_full_blocks(
-        self,
-        blocks: Sequence[KVCacheBlock],
-        block_hashes: Sequence[BlockHash],
-        start: int,
-        end: int,
-        group_id: int,
-    ) -> None:
-        """Give blocks[start:end] the content addresses block_hashes[start:end] in ``group_id``.
-
-        Null blocks and blocks already cached (prefix hits) are skipped. For a
-        striped lead group, ``blocks`` are stripe leads and every member group is cached.
-        """
-        self._check_group(group_id)
-        if self._member_of[group_id][1]:
-            raise InvalidArgumentError(f"group {group_id} is striped: cache its stripes through their lead group")
-        if not (type(start) is int and type(end) is int and 0 <= start <= end <= min(len(blocks), len(block_hashes))):
-            raise InvalidArgumentError(
-                f"cache range [{start!r}, {end!r}) is outside {len(blocks)} blocks / {len(block_hashes)} hashes"
-            )
-        cached = self._cached[group_id]
-        stored: list[KVCacheBlock] = []
-        stored_hashes: list[BlockHash] = []
-        stored_first = start
-        events = self.enable_kv_events
-        for i in range(start, end):
-            block = blocks[i]
-            if block.is_null or block.block_hash is not None:
-                continue
-            key = block_hashes[i]
-            block.block_hash = key
-            block.group_id = group_id
-            entry = cached.get(key)
-            if entry is None:
-                cached[key] = block
-            elif type(entry) is dict:
-                entry[block.block_id] = block
-            else:
-                cached[key] = {entry.block_id: entry, block.block_id: block}
-            if events:
-                if not stored:
-                    stored_first = i
-                stored.append(block)
-                stored_hashes.append(key)
-        if stored:
-            first = stored_first
-            parent = block_hashes[first - 1] if first > 0 else None
-            for j, gid in enumerate(self._stripe_groups.get(group_id, (group_id,))):
-                ids = tuple((b.stripe[j] if b.stripe else b).block_id for b in stored)
-                self._events.append(
-                    BlockStored(tuple(stored_hashes), ids, parent, self.block_size, gid, self.group_kinds[gid])
-                )
-
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks (or stripe leads), reviving free ones.
 
@@ -352,24 +241,27 @@ class BlockPool:
         (revived ones to the LRU's tail).
         """
         fq = self.free_queue
-        q = fq.lru
+        pop = fq.lru.pop
+        revived = 0  # blocks taken out of the free queue
         blocks = blocks if type(blocks) is list else list(blocks)
         it = iter(blocks)
         for block in it:
-            if block.is_null:
-                continue
             if block.ref_cnt == 0:
-                if block.block_id in q:
-                    del q[block.block_id]
-                else:
+                if block.is_null:
+                    continue
+                if pop(block.block_id, None) is None:
                     try:
                         fq.take(block)
                     except ValueError:
+                        self._num_free -= revived
                         done = blocks[:len(blocks) - length_hint(it) - 1]
                         self.free_blocks(done[::-1])
                         raise InvalidArgumentError(f"block {block.block_id} is not free: cannot touch it") from None
-                self._num_free -= block.width
+                revived += block.width
+            elif block.is_null:
+                continue
             block.ref_cnt += 1
+        self._num_free -= revived
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block (or stripe lead); those reaching 0 are free:
@@ -385,16 +277,22 @@ class BlockPool:
         blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
         it = iter(blocks)
         for block in it:
-            if block.is_null:
-                continue
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            ref = block.ref_cnt - 1
+            if ref == 0:
+                if block.is_null:  # its ref_cnt stays 1
+                    continue
+                block.ref_cnt = 0
                 if stacks is not None and block.block_hash is None:
                     stacks[block.width].append(block)
                 else:
                     q[block.block_id] = block
                 freed += block.width
-            elif block.ref_cnt < 0:
+            elif block.is_null:
+                continue
+            else:
+                block.ref_cnt = ref
+                if ref > 0:
+                    continue
                 self._num_free += freed - self.free_queue.take_back(blocks[:len(blocks) - length_hint(it)])
                 raise InvariantViolation(f"block {block.block_id} freed more often than it was taken")
         self._num_free += freed

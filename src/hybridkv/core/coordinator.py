@@ -112,6 +112,28 @@ class KVCacheCoordinator:
                 out[gid] = blocks
         return tuple(out)
 
+    def expand_ids(self, hit: dict) -> tuple[list[int], ...]:
+        """Block ids per group of a hit from :meth:`find_hit` (or of new blocks from
+        :meth:`allocate_new_blocks`): ``tuple(ids of group) for group in expand(hit)``."""
+        out: list[list[int]] = [None] * self.num_groups  # type: ignore[list-item]
+        for m, leads in hit.items():
+            if not leads:
+                for gid in m.group_ids:
+                    out[gid] = []
+            elif m.width == 1:
+                out[m.group_ids[0]] = [b.block_id for b in leads]
+            elif len(leads) == 1 and leads[0].stripe is not None:  # one new stripe (a decode step)
+                for gid, b in zip(m.group_ids, leads[0].stripe):
+                    out[gid] = [b.block_id]
+            else:
+                for gid, blocks in zip(m.group_ids, m._per_group(leads)):
+                    out[gid] = [b.block_id for b in blocks]
+        if len(hit) < len(self.managers):
+            for gid, ids in enumerate(out):
+                if ids is None:
+                    out[gid] = []
+        return tuple(out)
+
     def hit_of(self, per_group: PerGroup) -> dict:
         """The inverse of :meth:`expand`: each manager's first group's list.
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from hybridkv.core.block_pool import KVCacheBlock
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig
 from hybridkv.core.coordinator import KVCacheCoordinator
 from hybridkv.core.events import KVCacheEvent
+from hybridkv.core.kv_cache_blocks import KVCacheBlocks
 from hybridkv.core.hashing import MultiModalFeature
 from hybridkv.core.managers.base import NEVER
 from hybridkv.core.request import BlockHasher, Request
@@ -44,47 +44,6 @@ from hybridkv.errors import (
 )
 
 __all__ = ["KVCacheManager", "KVCacheBlocks", "PrefixCacheStats"]
-
-
-class KVCacheBlocks:
-    """Blocks per KV cache group (``blocks[g]`` is group g's list).
-
-    A prefix hit from :meth:`KVCacheManager.get_computed_blocks` keeps the
-    coordinator's compact form (each manager's first-group blocks; striped groups'
-    lists follow from their leads) and builds the per-group lists only when asked.
-    It also remembers the request it was found for and the pool's cache epoch then,
-    so ``allocate_slots`` can tell in O(1) that it is still valid.
-    """
-
-    __slots__ = ("_blocks", "_hit", "_coordinator", "_request", "_epoch")
-
-    def __init__(self, blocks: tuple[list[KVCacheBlock], ...] | None = None, *, hit: dict | None = None,
-                 coordinator: KVCacheCoordinator | None = None, request: Request | None = None, epoch: int = -1):
-        if blocks is None and hit is None:
-            blocks = ()
-        self._blocks = blocks
-        self._hit = hit
-        self._coordinator = coordinator
-        self._request = request
-        self._epoch = epoch
-
-    @property
-    def blocks(self) -> tuple[list[KVCacheBlock], ...]:
-        if self._blocks is None:
-            self._blocks = self._coordinator.expand(self._hit)
-        return self._blocks
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in group] for group in self.blocks)
-
-    def num_blocks(self) -> int:
-        return sum(len(group) for group in self.blocks)
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-    def __repr__(self) -> str:
-        return f"KVCacheBlocks({self.get_block_ids()})"
 
 
 @dataclass(slots=True)

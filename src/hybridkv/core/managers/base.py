@@ -177,10 +177,8 @@ class AttentionManager(ABC):
         skipped = self.num_skipped_tokens(num_computed_tokens) // self.block_size
         leads = new_computed_blocks
         num_new = max(need - max(skipped, len(leads)), 0)
-        evictable = 0
-        for block in leads[skipped:]:
-            if block.ref_cnt == 0 and not block.is_null:
-                evictable += 1
+        # free hit blocks (the null block is never free: its ref_cnt stays 1)
+        evictable = [b.ref_cnt for b in (leads[skipped:] if skipped else leads)].count(0)
         return (num_new + evictable) * self.width
 
     def save_new_computed_blocks(
@@ -199,7 +197,7 @@ class AttentionManager(ABC):
         st.blocks += kept
         ids = st.ids[0]
         ids += [0] * skipped
-        ids.extend(map(_ID, kept))
+        ids += [b.block_id for b in kept]
         st.num_cached = len(st.blocks)
         st.num_skipped = skipped
 
@@ -213,7 +211,7 @@ class AttentionManager(ABC):
             return []
         new = self.pool.get_new_stripes(n, self.width) if self.width > 1 else self.pool.get_new_blocks(n)
         st.blocks += new
-        st.ids[0].extend(map(_ID, new))
+        st.ids[0] += [b.block_id for b in new]
         return new
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
@@ -254,9 +252,8 @@ class AttentionManager(ABC):
         st = self.requests.pop(request_id, None)
         if st is None:
             return None
-        blocks = st.blocks[st.num_skipped:]
-        blocks.reverse()
-        return blocks
+        n = st.num_skipped
+        return st.blocks[:n - 1:-1] if n else st.blocks[::-1]
 
     def free(self, request_id: str) -> None:
         blocks = self.pop_blocks(request_id)
