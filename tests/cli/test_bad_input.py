@@ -64,6 +64,8 @@ def bad_files(tmp_path_factory, tiny_llama):
     (t / "empty.jsonl").write_text("")
     (t / "float.jsonl").write_text('{"prompt_len": 1e3, "output_len": 1}\n')
     (t / "trace-dir.jsonl").mkdir()
+    os.mkfifo(t / "fifo.jsonl")
+    (t / "surrogate.jsonl").write_text('{"id": "\\u2603\\ud800", "prompt": [1, 2], "output_len": 2}\n')
     (t / "nested.json").write_text("[" * 100_000 + "]" * 100_000)
     (t / "binary.json").write_bytes(b"\xff\xfe\x00")
     (t / "empty.json").write_text("")
@@ -144,7 +146,13 @@ CASES = [
     ("preset as model", ["generate", "mistral-7b", "--prompt-ids", "1"], "'mistral-7b' is a plan preset"),
     ("empty trace", ["simulate", "mistral-7b", "--workload", "{T}/empty.jsonl"], "the trace holds no request"),
     ("float prompt_len", ["simulate", "mistral-7b", "--workload", "{T}/float.jsonl"], "'prompt_len' must be an int"),
-    ("trace folder", ["simulate", "mistral-7b", "--workload", "{T}/trace-dir.jsonl"], "cannot read trace: Is a directory"),
+    ("trace folder", ["simulate", "mistral-7b", "--workload", "{T}/trace-dir.jsonl"], "trace-dir.jsonl: not a regular file"),
+    ("trace fifo", ["simulate", "mistral-7b", "--workload", "{T}/fifo.jsonl"], "fifo.jsonl: not a regular file"),
+    ("trace id lone surrogate", ["simulate", "mistral-7b", "--workload", "{T}/surrogate.jsonl"],
+     "surrogate.jsonl:1: 'id' must be a non-empty string of text"),
+    ("prompt ids empty item", ["generate", "{M}", "--prompt-ids", "1,,2"], "--prompt-ids has an empty item in '1,,2'"),
+    ("max-model-len past the model", ["generate", "{M}", "--prompt-ids", "1", "--max-model-len", "1M"],
+     "exceeds the model's max_position_embeddings"),
     ("missing trace", ["simulate", "mistral-7b", "--workload", "{T}/nope.jsonl"], "cannot read trace: No such file"),
     ("unknown workload", ["simulate", "mistral-7b", "--workload", "bursty"], "unknown workload 'bursty'"),
     ("empty workload", ["simulate", "mistral-7b", "--workload", ""], "unknown workload ''"),

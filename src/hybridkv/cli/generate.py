@@ -39,10 +39,14 @@ __all__ = ["add_parser", "run", "parse_prompt_ids"]
 
 
 def parse_prompt_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
-    """"1,2,3" or "1 2 3" -> [1, 2, 3]; ``flag`` names the option in errors."""
-    parts = text.replace(",", " ").split()
+    """"1,2,3" or "1 2 3" -> [1, 2, 3]; ``flag`` names the option in errors ("1,,2" is one:
+    an empty item is a typo, not a token to drop)."""
+    pieces = text.split(",")
+    parts = [part for piece in pieces for part in piece.split()]
     if not parts:
         raise InvalidArgumentError(f"{flag} needs at least one token id")
+    if any(not p.strip() for p in pieces):
+        raise InvalidArgumentError(f"{flag} has an empty item in {text!r}")
     try:
         ids = [int(p) for p in parts]
     except ValueError:
@@ -55,7 +59,7 @@ def parse_prompt_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
 #: the engine dtypes (model weights and KV cache); EngineConfig's default first
 DTYPES = ("float32", "bfloat16", "float16")
 #: EngineConfig's defaults, stated in --help (a test checks they match)
-ENGINE_MAX_NUM_BATCHED_TOKENS = 2048
+ENGINE_MAX_NUM_BATCHED_TOKENS = DEFAULT_MAX_NUM_BATCHED_TOKENS
 #: the context used when neither --max-model-len nor the config's max_position_embeddings says (the engine's)
 FALLBACK_MAX_MODEL_LEN = 2048
 

@@ -208,6 +208,10 @@ class KVCacheCoordinator:
         return found, length
 
     # ----------------------------------------------------------- allocation
+    def freed_needed_blocks(self, request_id: str, num_computed_tokens: int) -> bool:
+        """True when some group already freed a block the next token would read."""
+        return any(m.freed_needed_blocks(request_id, num_computed_tokens) for m in self.skipping_managers)
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for m in self.skipping_managers:
             m.remove_skipped_blocks(request_id, num_computed_tokens)

@@ -90,8 +90,9 @@ class KVCacheManager:
         self._empty = KVCacheBlocks(tuple([] for _ in range(self.coordinator.num_groups)))
         self._no_new_blocks = KVCacheBlocks(tuple(() for _ in range(self.coordinator.num_groups)))
         # request id -> (request, most tokens it can reach with nothing to allocate or cache,
-        #                num_computed_tokens at which a block dies): the decode fast path
-        self._quiet: dict[str, tuple[Request, int, int]] = {}
+        #                num_computed_tokens at which a block dies, the count when recorded):
+        #                the decode fast path
+        self._quiet: dict[str, tuple[Request, int, int, int]] = {}
 
     # ------------------------------------------------------------- requests
     def make_request(
@@ -192,7 +193,12 @@ class KVCacheManager:
             ):
                 computed = request.num_computed_tokens
                 total = computed + num_new_tokens
-                if total <= quiet[1] and 0 <= computed < quiet[2] and total <= len(request.all_token_ids):
+                if (
+                    total <= quiet[1]
+                    and quiet[3] <= computed < quiet[2]
+                    and type(computed) is int
+                    and total <= len(request.all_token_ids)
+                ):
                     return self._no_new_blocks
         except (AttributeError, TypeError):  # not a Request / a non-number computed count: see below
             pass
@@ -216,6 +222,11 @@ class KVCacheManager:
                     f"request {rid!r} holds no blocks but has num_computed_tokens {computed}; "
                     f"a new (or freed) request starts at 0"
                 )
+        elif coord.freed_needed_blocks(rid, computed):
+            raise InvalidArgumentError(
+                f"request {rid!r}: num_computed_tokens {computed} moved back past blocks already freed "
+                f"(outside the window / before the chunk); free the request and recompute it"
+            )
         hit = None  # {manager: first-group blocks}
         trusted = False  # found for this request, and no cached block lost its address since
         if new_computed_blocks is not None:
@@ -283,7 +294,8 @@ class KVCacheManager:
             at = m.next_skip_at(st.num_skipped)
             if at < skip_at:
                 skip_at = at
-        self._quiet[rid] = (request, limit, skip_at)
+        # computed counts below today's take the slow path (a count moved back is checked there)
+        self._quiet[rid] = (request, limit, skip_at, request.num_computed_tokens)
 
     def free(self, request: Request | str) -> None:
         """Return every block of a finished or preempted request to the pool."""
@@ -293,11 +305,15 @@ class KVCacheManager:
             rid = request.request_id
         else:
             raise InvalidArgumentError(f"free takes a Request or a request id, got {request!r:.60}")
-        self._quiet.pop(rid, None)
-        if self._live.pop(rid, None) is None:
+        live = self._live.get(rid)
+        if live is None:
             if rid in self._freed:
                 raise RequestFreedError(f"request {rid!r} was already freed")
             raise UnknownRequestError(f"request {rid!r} holds no blocks")
+        if live is not request and not isinstance(request, str):
+            raise RequestError(f"another request with id {rid!r} holds the blocks; this one holds none")
+        del self._live[rid]
+        self._quiet.pop(rid, None)
         self.coordinator.free(rid)
         self._freed.add(rid)
         if len(self._freed) > 100_000:  # only for error messages; keep it bounded

@@ -25,7 +25,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
+from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheManagerConfig, KVCacheConfig, KVCacheGroup
 from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation
 from hybridkv.engine.model_runner import PagedModelRunner
@@ -50,7 +50,7 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_cache_memory: int | str | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 64
     admission: str = "full_prompt"  # SchedulerConfig.admission (vLLM's default; or "first_chunk")
     enable_prefix_caching: bool = True
@@ -84,6 +84,12 @@ class LLMEngine:
         self.config = config
         self.model = model if isinstance(model, CausalLM) else load_model(model, dtype=config.dtype, device=config.device)
         m = self.model
+        if config.max_model_len is not None and config.max_model_len > m.max_position_embeddings:
+            # as vLLM: positions past the model's own limit are not what it was made for
+            raise InvalidConfigError(
+                f"max_model_len {config.max_model_len:,} exceeds the model's max_position_embeddings "
+                f"{m.max_position_embeddings:,}"
+            )
         self.max_model_len = config.max_model_len or m.max_position_embeddings
         specs = m.kv_cache_specs(config.block_size, dtype=config.dtype)
         memory = None if config.kv_cache_memory is None else parse_bytes(config.kv_cache_memory)

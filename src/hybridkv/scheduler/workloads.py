@@ -21,7 +21,9 @@ longer are cut by :func:`_fit`), so every generator terminates for any
 from __future__ import annotations
 
 import json
+import os
 import random
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -188,8 +190,8 @@ def _parse_line(text: str, number: int, path: str | None, default_id: str, max_m
         raise fail(f"'arrival' {arrival:,} is past the last step simulated ({MAX_ARRIVAL:,})")
     output_len = _int_field(obj, "output_len", number, path, 1)
     rid = obj.get("id", default_id)
-    if not isinstance(rid, str) or not rid:
-        raise fail(f"'id' must be a non-empty string, got {rid!r}")
+    if not isinstance(rid, str) or not rid or not _is_text(rid):
+        raise fail(f"'id' must be a non-empty string of text, got {rid!r}")
     if "prompt" in obj:
         prompt = obj["prompt"]
         if "prompt_len" in obj or "prefix_id" in obj or "prefix_len" in obj:
@@ -206,8 +208,8 @@ def _parse_line(text: str, number: int, path: str | None, default_id: str, max_m
         line = _Line(number, rid, arrival, output_len, None, plen)
         if "prefix_id" in obj:
             prefix_id = obj["prefix_id"]
-            if not isinstance(prefix_id, str):
-                raise fail(f"'prefix_id' must be a string, got {prefix_id!r}")
+            if not isinstance(prefix_id, str) or not _is_text(prefix_id):
+                raise fail(f"'prefix_id' must be a string of text, got {prefix_id!r}")
             prefix_len = _int_field(obj, "prefix_len", number, path, 0)
             if prefix_len > plen:
                 raise fail(f"prefix_len {prefix_len} > prompt_len {plen}")
@@ -249,9 +251,22 @@ def parse_trace_lines(
     return sorted(out, key=lambda r: r.arrival_step)
 
 
-def load_trace(path: str | Path, *, max_model_len: int | None = None) -> list[TraceRequest]:
-    """Read a JSONL trace file (:func:`parse_trace_lines`); unreadable files raise TraceFormatError."""
+def _is_text(value: str) -> bool:
+    """False for strings JSON allows but UTF-8 cannot carry (a lone surrogate, ``"\\ud800"``)."""
     try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def load_trace(path: str | Path, *, max_model_len: int | None = None) -> list[TraceRequest]:
+    """Read a JSONL trace file (:func:`parse_trace_lines`); unreadable files raise TraceFormatError.
+
+    Only a regular file is read: a FIFO or a device could block or never end."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise TraceFormatError("not a regular file", None, str(path))
         with open(path, "rb") as f:
             return parse_trace_lines(f, str(path), max_model_len=max_model_len)
     except OSError as exc:

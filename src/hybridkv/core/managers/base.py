@@ -223,6 +223,13 @@ class AttentionManager(ABC):
         self.pool.cache_full_blocks(st.blocks, request.block_hashes, st.num_cached, num_full, self.group_ids[0])
         st.num_cached = num_full
 
+    def freed_needed_blocks(self, request_id: str, num_computed_tokens: int) -> bool:
+        """True when the token after ``num_computed_tokens`` would read a block this request
+        already freed: its computed count moved back past what was skipped (W 4, block 2,
+        blocks 0-1 freed at n 7; n set back to 4 needs tokens 1-3, block 0 is gone)."""
+        st = self.requests.get(request_id)
+        return st is not None and st.num_skipped > self.num_skipped_tokens(num_computed_tokens) // self.block_size
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free every block wholly before ``num_skipped_tokens(num_computed_tokens)``; null in its place.
 
