@@ -326,6 +326,38 @@ class KVCacheManager:
             raise UnknownRequestError(f"request {request.request_id!r} holds no blocks")
         self.coordinator.remove_skipped_blocks(request.request_id, request.check_num_computed_tokens())
 
+    def num_blocks_to_admit(
+        self,
+        request: Request,
+        num_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_new_computed_tokens: int = 0,
+        *,
+        max_num_batched_tokens: int | None = None,
+    ) -> int:
+        """Free blocks a waiting request (holding none) needs for all its ``num_tokens`` beside
+        its hit (vLLM's full-prompt admission gate): per manager, blocks for the tokens (at
+        most its spec's per-request bound at ``max_num_batched_tokens``), less the hit
+        blocks it keeps, plus the hit blocks that are free now (adopting takes them from
+        the free queue). Block 4, full + chunked 8, budget 4: the chunked bound is 3
+        blocks, so 20 tokens with no hit need 5 + 3 = 8 blocks."""
+        self._check_request(request)
+        rid = request.request_id
+        if rid in self._live:
+            raise InvalidArgumentError(f"request {rid!r} already holds blocks; admission is for waiting requests")
+        hit = {}
+        if num_new_computed_tokens and new_computed_blocks is not None:
+            hit = new_computed_blocks._hit if new_computed_blocks._coordinator is self.coordinator else None
+            hit = hit or self.coordinator.hit_of(new_computed_blocks.blocks)
+        bs = self.block_size
+        return sum(
+            m.get_num_blocks_to_allocate(
+                rid, min(num_tokens, m.spec.max_num_blocks(self.max_model_len, max_num_batched_tokens) * bs),
+                hit.get(m), num_new_computed_tokens,
+            )
+            for m in self.coordinator.managers
+        )
+
     # ------------------------------------------------------------ inspection
     def _known(self, request_id: str) -> None:
         """UnknownRequestError unless the request holds blocks (a non-str id: InvalidArgumentError)."""

@@ -69,13 +69,6 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_since_last: list[str] = []
         self._usable_blocks = kv_cache_manager.kv_cache_config.num_blocks - 1
-        # full_prompt admission: each manager's per-request cap in tokens (its spec's one
-        # bound at this budget, in whole blocks), as vLLM caps sliding / chunked groups
-        bs = kv_cache_manager.block_size
-        self._admission_caps = [
-            (m, m.spec.max_num_blocks(config.max_model_len, config.max_num_batched_tokens) * bs)
-            for m in kv_cache_manager.coordinator.managers
-        ]
 
     # -------------------------------------------------------------- requests
     def add_request(
@@ -226,22 +219,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def blocks_to_admit(self, request: Request, hit_blocks: KVCacheBlocks | None = None, num_hit: int = 0) -> int:
-        """Free blocks a waiting request (holding none) needs to be admitted under ``"full_prompt"``.
-
-        Per manager (vLLM's ``full_sequence_must_fit`` gate): blocks for all its tokens,
-        at most the spec's per-request bound, less the hit blocks it keeps, plus the
-        hit blocks that are free now (adopting them takes them from the free queue).
-        Block 4, full + chunked 8 groups, budget 4: the chunked bound is 3 blocks, so a
-        20-token prompt with no hit needs 5 + 3 = 8 blocks; its first chunk only 2.
-        """
-        rid = request.request_id
-        if self.kv.has_request(rid):
-            raise InvalidArgumentError(f"request {rid!r} already holds blocks; admission is for waiting requests")
+        """Free blocks a waiting request (holding none) needs to be admitted under
+        ``"full_prompt"``: the KV cache manager's full-prompt count
+        (:meth:`~hybridkv.core.kv_cache_manager.KVCacheManager.num_blocks_to_admit`) at this
+        scheduler's budget, for all its tokens (a preempted request's outputs too)."""
         num_tokens = min(request.num_tokens, self.config.max_model_len)
-        hit = self.kv.coordinator.hit_of(hit_blocks.blocks) if num_hit and hit_blocks is not None else {}
-        return sum(
-            m.get_num_blocks_to_allocate(rid, min(num_tokens, cap), hit.get(m), num_hit)
-            for m, cap in self._admission_caps
+        return self.kv.num_blocks_to_admit(
+            request, num_tokens, hit_blocks, num_hit, max_num_batched_tokens=self.config.max_num_batched_tokens
         )
 
     # --------------------------------------------------------------- results
