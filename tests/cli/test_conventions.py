@@ -60,10 +60,11 @@ def test_generate_engine_options_reach_engine_config(tiny_llama, monkeypatch, ca
     pytest.importorskip("torch")
     import hybridkv.engine.engine as engine_module
     from hybridkv.cli import generate
+    from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from hybridkv.engine.engine import EngineConfig
 
     # the defaults --help states are the engine's
-    assert EngineConfig().max_num_batched_tokens == generate.ENGINE_MAX_NUM_BATCHED_TOKENS
+    assert EngineConfig().max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
     assert EngineConfig().dtype == generate.DTYPES[0]
     seen = []
 

@@ -31,6 +31,7 @@ from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, PoolTooSmallError
 from hybridkv.planner.architectures import model_layers
 from hybridkv.planner.grouping import group_layers
+from hybridkv.planner.hf_defaults import DEFAULT_MAX_POSITION_EMBEDDINGS
 from hybridkv.planner.presets import load_model_config
 from hybridkv.planner.sizes import format_bytes
 from hybridkv.scheduler.interface import SamplingParams
@@ -58,10 +59,6 @@ def parse_prompt_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
 
 #: the engine dtypes (model weights and KV cache); EngineConfig's default first
 DTYPES = ("float32", "bfloat16", "float16")
-#: EngineConfig's defaults, stated in --help (a test checks they match)
-ENGINE_MAX_NUM_BATCHED_TOKENS = DEFAULT_MAX_NUM_BATCHED_TOKENS
-#: the context used when neither --max-model-len nor the config's max_position_embeddings says (the engine's)
-FALLBACK_MAX_MODEL_LEN = 2048
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -91,8 +88,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="tokens per request at most, e.g. 4096, 32k, 1M (default: the model's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int_range(1), default=None,
                    help="requests running at once at most (default: the number of prompts)")
-    p.add_argument("--max-num-batched-tokens", type=int_range(1), default=None,
-                   help=f"token budget of one step (chunked prefill) (default {ENGINE_MAX_NUM_BATCHED_TOKENS})")
+    p.add_argument("--max-num-batched-tokens", type=int_range(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   help=f"token budget of one step (chunked prefill) (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (default on)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt (default: one line of ids or text)")
     p.set_defaults(func=run)
@@ -122,10 +119,9 @@ def _check_pool(args: argparse.Namespace, model_dir: Path) -> None:
     layers = model_layers(loaded.config, label=loaded.label, block_size=args.block_size, dtype=args.dtype)
     if args.num_blocks is None and args.kv_cache_memory is None:
         return
-    max_len = args.max_model_len or layers.max_position_embeddings or FALLBACK_MAX_MODEL_LEN
-    budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_len = args.max_model_len or layers.max_position_embeddings or DEFAULT_MAX_POSITION_EMBEDDINGS
     per_block = group_layers(
-        layers.specs, max_len, max_num_batched_tokens=budget, memory_bytes=args.kv_cache_memory
+        layers.specs, max_len, max_num_batched_tokens=args.max_num_batched_tokens, memory_bytes=args.kv_cache_memory
     ).bytes_per_block  # the engine groups with the same arguments
     if args.num_blocks is not None:
         num_blocks = args.num_blocks
@@ -166,11 +162,11 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.engine.models.weights import checkpoint_files
 
     check_weight_files(checkpoint_files(model_dir))
-    extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     engine = LLMEngine(model_dir, EngineConfig(
         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs or len(prompts), dtype=args.dtype, **extra,
+        max_num_seqs=args.max_num_seqs or len(prompts), dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     ))
     if text_mode and engine.model.vocab_size < 256:
         raise InvalidArgumentError(f"text mode needs a vocabulary of >= 256 ids, the model has {engine.model.vocab_size}")

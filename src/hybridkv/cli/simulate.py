@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from hybridkv.cli import write_out
-from hybridkv.cli.options import int_range, memory, tokens
+from hybridkv.cli.options import SEED_MAX, int_range, memory, tokens
 from hybridkv.errors import InvalidArgumentError, PoolTooSmallError
 from hybridkv.planner.plan import plan_model
 from hybridkv.planner.sizes import format_bytes
@@ -49,7 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help=f"{', '.join(sorted(WORKLOADS))}, or a JSONL trace path (format below; default long-doc)")
     p.add_argument("--num-requests", type=int_range(1, 1_000_000), default=64,
                    help="requests of a synthetic workload (default 64)")
-    p.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0, help="synthetic workload seed (default 0)")
+    p.add_argument("--seed", type=int_range(0, SEED_MAX), default=0, help="synthetic workload seed (default 0)")
     p.add_argument("--max-model-len", type=tokens, default=DEFAULT_MAX_MODEL_LEN,
                    help=f"tokens per request at most, e.g. 32768, 128k, 1M (default {DEFAULT_MAX_MODEL_LEN})")
     p.add_argument("--block-size", type=int_range(1), default=16, help="tokens per KV cache block (default 16)")

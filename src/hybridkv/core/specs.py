@@ -95,6 +95,11 @@ def _check_positive_int(name: str, value: object) -> None:
         raise InvalidSpecError(f"{name} must be a positive int, got {value!r}")
 
 
+def _budget(max_model_len: int, max_num_batched_tokens: int | None) -> int:
+    """Tokens of one request computed in one step at most: no budget means all of them."""
+    return max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
+
+
 def _check_count(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidSpecError(f"{name} must be an int >= {minimum}, got {value!r}")
@@ -155,11 +160,9 @@ class KVCacheSpec:
         caller (planner, engine pool, scheduler admission) asks; never re-derive it.
         """
         _check_count("max_model_len", max_model_len, minimum=0)
-        if max_num_batched_tokens is None:
-            budget = max(max_model_len, 1)
-        else:
+        if max_num_batched_tokens is not None:
             _check_count("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
-            budget = max_num_batched_tokens
+        budget = _budget(max_model_len, max_num_batched_tokens)
         return min(cdiv(max_model_len, self.block_size), self._max_blocks(max_model_len, budget))
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
@@ -219,8 +222,7 @@ class SlidingWindowSpec(KVCacheSpec):
         return self.sliding_window
 
     def max_num_tokens(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
-        budget = max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
-        return min(self.sliding_window - 1 + budget, max_model_len)
+        return min(self.sliding_window - 1 + _budget(max_model_len, max_num_batched_tokens), max_model_len)
 
     def _max_blocks(self, max_model_len: int, budget: int) -> int:
         return span_blocks(self.sliding_window - 1 + budget, self.block_size)
@@ -254,8 +256,7 @@ class ChunkedLocalAttentionSpec(KVCacheSpec):
         return self.attention_chunk_size
 
     def max_num_tokens(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
-        budget = max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
-        return min(self.attention_chunk_size - 1 + budget, max_model_len)
+        return min(self.attention_chunk_size - 1 + _budget(max_model_len, max_num_batched_tokens), max_model_len)
 
     def _max_blocks(self, max_model_len: int, budget: int) -> int:
         return span_blocks(self.attention_chunk_size - 1 + budget, self.block_size, self.attention_chunk_size)

@@ -92,7 +92,7 @@ class LLMEngine:
             )
         self.max_model_len = config.max_model_len or m.max_position_embeddings
         specs = m.kv_cache_specs(config.block_size, dtype=config.dtype)
-        memory = None if config.kv_cache_memory is None else parse_bytes(config.kv_cache_memory)
+        memory = self._kv_cache_memory = None if config.kv_cache_memory is None else parse_bytes(config.kv_cache_memory)
         self.grouping: Grouping = group_layers(
             specs,
             self.max_model_len,
@@ -148,7 +148,7 @@ class LLMEngine:
             per_request = self.grouping.blocks_per_request(self.max_model_len)
             cap = (1 << 30) // self.grouping.bytes_per_block
             return max(per_request + 1, min(cfg.max_num_seqs * per_request + 1, cap))
-        return parse_bytes(cfg.kv_cache_memory) // self.grouping.bytes_per_block
+        return self._kv_cache_memory // self.grouping.bytes_per_block
 
     # --------------------------------------------------------------- requests
     def add_request(

@@ -212,16 +212,17 @@ def group_layers(
         options = group_size_options(specs, max_model_len, budget)
         if memory_bytes is None:
             best = min(options, key=lambda o: (o.padding_pages_per_request, o.group_size))
-        else:
-            best = max(
-                options,
-                key=lambda o: (
-                    _arrange(types, o.group_size, budget).max_concurrency(memory_bytes, max_model_len),
-                    -o.padding_pages_per_request,
-                    -o.group_size,
-                ),
-            )
-        group_size = best.group_size
-    elif isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+            return _arrange(types, best.group_size, budget)
+        scored = [(_arrange(types, o.group_size, budget), o) for o in options]
+        grouping, _ = max(
+            scored,
+            key=lambda g_o: (
+                g_o[0].max_concurrency(memory_bytes, max_model_len),
+                -g_o[1].padding_pages_per_request,
+                -g_o[1].group_size,
+            ),
+        )
+        return grouping
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
         raise InvalidArgumentError(f"group_size must be a positive int, got {group_size!r}")
     return _arrange(types, group_size, budget)

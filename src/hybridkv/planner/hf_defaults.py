@@ -24,7 +24,10 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Mapping
 
-__all__ = ["TEXT_DEFAULTS", "MULTIMODAL_DEFAULTS"]
+__all__ = ["TEXT_DEFAULTS", "MULTIMODAL_DEFAULTS", "DEFAULT_MAX_POSITION_EMBEDDINGS"]
+
+#: the context the engine runs when a config states no ``max_position_embeddings``
+DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
 
 _TEXT: dict[str, dict[str, Any]] = {
     # LlamaConfig

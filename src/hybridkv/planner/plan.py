@@ -112,7 +112,7 @@ class LayoutPlan:
     @property
     def max_concurrency(self) -> float:
         """Requests of ``max_model_len`` tokens the pool holds at once, fractional."""
-        return self.usable_blocks / self.blocks_per_request
+        return self.grouping.max_concurrency(self.memory_bytes, self.max_model_len)
 
     @property
     def max_num_requests(self) -> int:

@@ -33,6 +33,7 @@ from hybridkv.engine.models.rope import RotaryEmbedding
 from hybridkv.engine.models.weights import eos_token_ids, language_model_weight_name, load_weights, read_config
 from hybridkv.errors import InvalidConfigError
 from hybridkv.planner.architectures import ModelLayers, family_named, language_model_config, model_layers
+from hybridkv.planner.hf_defaults import DEFAULT_MAX_POSITION_EMBEDDINGS
 
 __all__ = ["CausalLM", "DecoderLayer", "DecoderStack", "RMSNorm", "Rope", "require", "activation"]
 
@@ -179,7 +180,7 @@ class CausalLM(nn.Module):
         self.num_heads: int = require(config, "num_attention_heads")
         self.num_kv_heads: int = self.layout.num_kv_heads
         self.head_dim: int = self.layout.head_dim
-        self.max_position_embeddings: int = config.get("max_position_embeddings") or 2048
+        self.max_position_embeddings: int = config.get("max_position_embeddings") or DEFAULT_MAX_POSITION_EMBEDDINGS
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         if self.num_heads % self.num_kv_heads:
             raise InvalidConfigError(
