@@ -63,35 +63,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-_SRC = os.path.join(os.path.dirname(HERE), "src")
-if os.path.isdir(_SRC) and _SRC not in sys.path:
-    sys.path.insert(0, _SRC)
+from _vllm_env import import_vllm, use_repo_src  # noqa: E402
 
-SETUP = """\
-vs_vllm.py needs vLLM 0.33.0 (and torch 2.13, CPU is fine) in a benchmark-only environment:
-
-    python3 -m venv .venv-vllm
-    .venv-vllm/bin/pip install torch==2.13.0
-    .venv-vllm/bin/pip install --no-deps -r ../shared/bench/vllm-anchor-requirements.txt
-
-then, from the repository root:
-
-    PYTHONPATH=src .venv-vllm/bin/python benchmarks/vs_vllm.py [--quick]
-
-(vLLM is never a dependency of hybridkv, and this benchmark is not part of CI.)"""
+use_repo_src()
 
 
 def _import_vllm():
-    os.environ.setdefault("PYTHONHASHSEED", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    try:
-        import torch  # noqa: F401
-        import vllm  # noqa: F401
-        from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken install
-        print(f"vLLM is not importable here ({type(exc).__name__}: {exc}).\n")
-        print(SETUP)
-        sys.exit(0)
+    import_vllm("vs_vllm.py", "vllm.v1.core.kv_cache_manager", " [--quick]")
 
 
 from _traces import (  # noqa: E402

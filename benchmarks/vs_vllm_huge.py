@@ -49,9 +49,9 @@ from array import array
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-_SRC = os.path.join(os.path.dirname(HERE), "src")
-if os.path.isdir(_SRC) and _SRC not in sys.path:
-    sys.path.insert(0, _SRC)
+from _vllm_env import use_repo_src  # noqa: E402
+
+use_repo_src()
 
 from _traces import HybridLane, TraceSpec, full_groups, gemma3_groups, median, scout_groups  # noqa: E402
 from vs_vllm import VllmLane, _import_vllm  # noqa: E402

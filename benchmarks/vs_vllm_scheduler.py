@@ -55,9 +55,10 @@ import types
 from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_SRC = os.path.join(os.path.dirname(HERE), "src")
-if os.path.isdir(_SRC) and _SRC not in sys.path:
-    sys.path.insert(0, _SRC)
+sys.path.insert(0, HERE)
+from _vllm_env import import_vllm, use_repo_src  # noqa: E402
+
+use_repo_src()
 
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup  # noqa: E402
 from hybridkv.core.kv_cache_manager import KVCacheManager  # noqa: E402
@@ -66,18 +67,6 @@ from hybridkv.errors import PoolTooSmallError  # noqa: E402
 from hybridkv.scheduler import FakeRunner, SamplingParams, Scheduler, SchedulerConfig, fake_token  # noqa: E402
 from hybridkv.scheduler.workloads import TraceRequest, make_workload  # noqa: E402
 
-SETUP = """\
-vs_vllm_scheduler.py needs vLLM 0.33.0 (and torch 2.13, CPU is fine) in a benchmark-only environment:
-
-    python3 -m venv .venv-vllm
-    .venv-vllm/bin/pip install torch==2.13.0
-    .venv-vllm/bin/pip install --no-deps -r ../shared/bench/vllm-anchor-requirements.txt
-
-then, from the repository root:
-
-    PYTHONPATH=src .venv-vllm/bin/python benchmarks/vs_vllm_scheduler.py
-
-(vLLM is never a dependency of hybridkv, and this benchmark is not part of CI.)"""
 
 VLLM_FLAG = {"full_prompt": True, "first_chunk": False}  # admission -> scheduler_reserve_full_isl
 
@@ -179,15 +168,7 @@ def run_hybrid(run: Run, trace: list[TraceRequest], admission: str, stripes: boo
 
 # ---------------------------------------------------------------------------- vLLM
 def _import_vllm():
-    os.environ.setdefault("PYTHONHASHSEED", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    try:
-        import torch  # noqa: F401
-        from vllm.v1.core.sched.scheduler import Scheduler as _  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken install
-        print(f"vLLM is not importable here ({type(exc).__name__}: {exc}).\n")
-        print(SETUP)
-        sys.exit(0)
+    import_vllm("vs_vllm_scheduler.py", "vllm.v1.core.sched.scheduler", "")
 
 
 def make_vllm(run: Run, admission: str):
