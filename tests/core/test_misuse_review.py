@@ -59,3 +59,14 @@ def test_unordered_or_text_prompts_are_refused(prompt):
     kv = KVCacheManager(KVCacheConfig(20, (KVCacheGroup(full()),)), CacheManagerConfig(max_model_len=64))
     with pytest.raises(InvalidArgumentError, match="ordered sequence of ints"):
         kv.make_request("a", prompt)
+
+
+def test_admission_count_refuses_what_allocate_slots_refuses():
+    kv = KVCacheManager(KVCacheConfig(20, (KVCacheGroup(full()),)), CacheManagerConfig(max_model_len=64))
+    r = kv.make_request("a", list(range(1, 10)))
+    with pytest.raises(InvalidArgumentError, match="must be KVCacheBlocks"):
+        kv.num_blocks_to_admit(r, 9, "junk", 4)
+    assert kv.num_blocks_to_admit(r, 9) == 3
+    assert kv.allocate_slots(r, 9) is not None
+    with pytest.raises(InvalidArgumentError, match="already holds blocks"):
+        kv.num_blocks_to_admit(r, 9)

@@ -19,6 +19,7 @@ Conventions:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -70,23 +71,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def write_out(text: str) -> None:
-    """``text`` and a newline on stdout; a failed write raises :class:`OutputError`."""
+@contextlib.contextmanager
+def _output_errors():
+    """A failed write to stdout (full disk, ...) as :class:`OutputError`; a closed pipe as is."""
     try:
-        sys.stdout.write(text + "\n")
+        yield
     except BrokenPipeError:
         raise
     except OSError as exc:
         raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
+
+
+def write_out(text: str) -> None:
+    """``text`` and a newline on stdout; a failed write raises :class:`OutputError`."""
+    with _output_errors():
+        sys.stdout.write(text + "\n")
 
 
 def _flush_out() -> None:
-    try:
+    with _output_errors():
         sys.stdout.flush()
-    except BrokenPipeError:
-        raise
-    except OSError as exc:
-        raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
 
 
 def _drop_stdout() -> None:

@@ -227,18 +227,7 @@ class KVCacheManager:
                 f"request {rid!r}: num_computed_tokens {computed} moved back past blocks already freed "
                 f"(outside the window / before the chunk); free the request and recompute it"
             )
-        hit = None  # {manager: first-group blocks}
-        trusted = False  # found for this request, and no cached block lost its address since
-        if new_computed_blocks is not None:
-            if not isinstance(new_computed_blocks, KVCacheBlocks):
-                raise InvalidArgumentError(
-                    f"new_computed_blocks must be KVCacheBlocks (from get_computed_blocks), got {new_computed_blocks!r:.60}"
-                )
-            if new_computed_blocks._hit is not None and new_computed_blocks._coordinator is coord:
-                hit = new_computed_blocks._hit or None
-                trusted = new_computed_blocks._request is request and new_computed_blocks._epoch == self.pool.cache_epoch
-            else:
-                hit = coord.hit_of(new_computed_blocks.blocks) or None
+        hit, trusted = self._decode_hit(request, new_computed_blocks)
         hit_blocks = 0
         if hit is not None or num_new_computed_tokens:
             if live is not None:
@@ -277,6 +266,21 @@ class KVCacheManager:
             coord.cache_blocks(request, min(num_tokens, request.num_tokens))
         self._remember_quiet(request)
         return KVCacheBlocks(hit=new, coordinator=coord)
+
+    def _decode_hit(self, request: Request, new_computed_blocks: KVCacheBlocks | None) -> tuple[dict | None, bool]:
+        """(the hit as {manager: first-group blocks} or None, trusted): trusted when it was
+        found for this request and no cached block lost its address since (then it needs
+        no content check)."""
+        if new_computed_blocks is None:
+            return None, False
+        if not isinstance(new_computed_blocks, KVCacheBlocks):
+            raise InvalidArgumentError(
+                f"new_computed_blocks must be KVCacheBlocks (from get_computed_blocks), got {new_computed_blocks!r:.60}"
+            )
+        if new_computed_blocks._hit is not None and new_computed_blocks._coordinator is self.coordinator:
+            trusted = new_computed_blocks._request is request and new_computed_blocks._epoch == self.pool.cache_epoch
+            return new_computed_blocks._hit or None, trusted
+        return self.coordinator.hit_of(new_computed_blocks.blocks) or None, False
 
     def _remember_quiet(self, request: Request) -> None:
         """Record how far the request can go with no allocation, caching or skipping."""
@@ -345,10 +349,7 @@ class KVCacheManager:
         rid = request.request_id
         if rid in self._live:
             raise InvalidArgumentError(f"request {rid!r} already holds blocks; admission is for waiting requests")
-        hit = {}
-        if num_new_computed_tokens and new_computed_blocks is not None:
-            hit = new_computed_blocks._hit if new_computed_blocks._coordinator is self.coordinator else None
-            hit = hit or self.coordinator.hit_of(new_computed_blocks.blocks)
+        hit = (self._decode_hit(request, new_computed_blocks)[0] if num_new_computed_tokens else None) or {}
         bs = self.block_size
         return sum(
             m.get_num_blocks_to_allocate(
