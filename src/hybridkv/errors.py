@@ -9,6 +9,8 @@ also derive from it (``ValueError``, ``KeyError``) so generic handlers still wor
     ├── InvalidConfigError        a model / cache / scheduler config that cannot be used
     │   └── UnknownArchitectureError
     ├── InvalidArgumentError      a negative count, an unparsable size, ...
+    │   ├── ModelNotInstalledError    a known model name whose package is not installed
+    │   └── ChatTemplateError         a chat template that fails to render (or is absent)
     ├── RequestError              misuse of the request life cycle
     │   ├── UnknownRequestError
     │   ├── DuplicateRequestError
@@ -18,6 +20,9 @@ also derive from it (``ValueError``, ``KeyError``) so generic handlers still wor
     ├── PoolTooSmallError         the block pool cannot hold even one request
     ├── TraceFormatError          a bad line in a workload trace (carries the line number)
     ├── WeightLoadError           unknown / missing / misshaped tensors in a checkpoint
+    │   ├── GGUFFormatError           a truncated or non-GGUF file
+    │   └── UnsupportedQuantizationError   a GGUF tensor type hybridkv cannot dequantize
+    ├── TokenizerError            a tokenizer that cannot be built or does not match the model
     └── InvariantViolation        check_invariants() found corrupted state (a bug)
 """
 
@@ -38,6 +43,11 @@ __all__ = [
     "PoolTooSmallError",
     "TraceFormatError",
     "WeightLoadError",
+    "GGUFFormatError",
+    "UnsupportedQuantizationError",
+    "ModelNotInstalledError",
+    "ChatTemplateError",
+    "TokenizerError",
     "InvariantViolation",
 ]
 
@@ -114,6 +124,26 @@ class TraceFormatError(HybridKVError, ValueError):
 
 class WeightLoadError(HybridKVError):
     """A checkpoint has unknown, missing or misshaped tensors."""
+
+
+class GGUFFormatError(WeightLoadError):
+    """A file is not GGUF, or is a truncated / malformed one."""
+
+
+class UnsupportedQuantizationError(WeightLoadError):
+    """A GGUF tensor is stored in a type hybridkv cannot dequantize (the message names the supported ones)."""
+
+
+class ModelNotInstalledError(InvalidArgumentError):
+    """A known model name (``gemma-3-270m``) whose package is not installed; the message gives the pip line."""
+
+
+class ChatTemplateError(InvalidArgumentError):
+    """A chat template is absent, does not parse, or raises while rendering (``raise_exception``)."""
+
+
+class TokenizerError(HybridKVError, ValueError):
+    """A tokenizer cannot be built from its files / metadata, or does not match the model's vocabulary."""
 
 
 class InvariantViolation(HybridKVError, AssertionError):
