@@ -1,0 +1,153 @@
+"""The eval set of benchmarks/eval_parity.py (benchmarks/_eval_data.py): seeded and
+deterministic, every needle present once at its depth, prompts sized to their length,
+and the scorer's matching. Fast: whitespace and byte "tokenizers" stand in for a model's."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import _eval_data as ed  # noqa: E402
+from _eval_data import Item, completion_prompt, make_item, make_items, score  # noqa: E402
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def utf8_bytes(text: str) -> int:
+    return len(text.encode()) + 1  # + a BOS, as a real tokenizer's special token
+
+
+def fake_chat(messages: list[dict]) -> str:
+    return "".join(f"<|{m['role']}|>\n{m['content']}<|end|>\n" for m in messages) + "<|assistant|>\n"
+
+
+RENDERS = {"completion": completion_prompt, "chat": ed.chat_prompt(fake_chat)}
+COUNTERS = {"words": words, "bytes": utf8_bytes}
+
+
+def depth_of(item: Item, needle: str) -> float:
+    """Where ``needle`` sits in the haystack, in percent of the haystack's sentences."""
+    at = item.context.index(needle)
+    before = item.context[:at].count(". ")
+    haystack = item.context.count(". ") + 1 - len(item.needles)
+    return 100 * before / max(haystack, 1)
+
+
+@pytest.mark.parametrize("counter", sorted(COUNTERS))
+@pytest.mark.parametrize("render", sorted(RENDERS))
+def test_same_seed_same_items_other_seed_other_items(counter, render):
+    kw = dict(seed=7, count_tokens=COUNTERS[counter], render=RENDERS[render])
+    lengths = [300, 700] if counter == "words" else [1300, 2900]
+    a = make_items(list(ed.TASKS), lengths, 3, **kw)
+    assert a == make_items(list(ed.TASKS), lengths, 3, **kw)
+    b = make_items(list(ed.TASKS), lengths, 3, **{**kw, "seed": 8})
+    assert [i.id for i in a] == [i.id for i in b]
+    assert sum(x.answers != y.answers for x, y in zip(a, b)) >= len(a) - 2
+    assert len({i.id for i in a}) == len(a)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_needles_once_at_their_depth_and_prompt_fits_its_length(seed):
+    rng = random.Random(seed)
+    count = COUNTERS[rng.choice(sorted(COUNTERS))]
+    render = RENDERS[rng.choice(sorted(RENDERS))]
+    task = ed.NIAH_TASKS[seed % 3]
+    length = rng.choice([150, 257, 1000, 2049, 4096]) * (5 if count is utf8_bytes else 1)
+    n = rng.choice([1, 2, 3, 5])
+    items = make_items([task], [length], n, seed=seed, count_tokens=count, render=render)
+    assert len(items) == n
+    asked_depths = sorted(i.depths[0] for i in items)
+    assert asked_depths == ([50.0] if n == 1 else [100 * k / (n - 1) for k in range(n)])
+    sentences = ed.NOISE + tuple(itertools.islice(ed._essay(random.Random(seed)), 2000))
+    longest = max(count(" " + s) for s in sentences)  # the bound is within one haystack sentence
+    for item in items:
+        prompt = render(item)
+        assert item.length - longest <= count(prompt) + item.max_tokens <= item.length, item.id
+        for needle in item.needles:
+            assert prompt.count(needle) == 1
+        assert len(item.needles) == (1 if task == "niah_single" else ed.NUM_NEEDLES)
+        values = [n.rsplit(" ", 1)[1].rstrip(".") for n in item.needles]
+        keys = [n.split(" for ", 1)[1].split(" is ")[0] for n in item.needles]
+        assert len(set(values)) == len(values) and all(len(v) == 7 and v.isdigit() for v in values)
+        for answer in item.answers:
+            assert prompt.count(answer) == 1 and answer in values
+        asked = keys[0]
+        assert f"for {asked} mentioned" in item.question and asked in item.answer_prefix
+        if task == "niah_multikey":
+            assert len(set(keys)) == len(keys) and item.answers == (values[0],)
+            assert item.context.count(asked) == 1
+        if task == "niah_multivalue":
+            assert set(keys) == {asked} and set(item.answers) == set(values)
+        for depth, needle in zip(item.depths, item.needles):
+            haystack = item.context.count(". ") + 1 - len(item.needles)
+            tolerance = 100 * (len(item.needles) + 1) / max(haystack, 1) + 0.5
+            assert abs(depth_of(item, needle) - depth) <= tolerance, (item.id, depth)
+
+
+def test_depth_zero_and_hundred_are_the_ends_of_the_haystack():
+    items = make_items(["niah_single"], [400], 2, seed=1, count_tokens=words, render=completion_prompt)
+    by_depth = {i.depths[0]: i for i in items}
+    assert by_depth[0.0].context.startswith(by_depth[0.0].needles[0])
+    assert by_depth[100.0].context.endswith(by_depth[100.0].needles[0])
+
+
+def test_longer_lengths_get_longer_haystacks_and_too_short_is_refused():
+    sizes = [words(make_item("niah_multikey", n, 0, 3, words, completion_prompt).context) for n in (200, 400, 800)]
+    assert sizes[0] < sizes[1] < sizes[2]
+    with pytest.raises(ValueError, match="cannot hold"):
+        make_item("niah_multivalue", 60, 0, 0, words, completion_prompt)
+    with pytest.raises(ValueError, match="unknown task"):
+        make_items(["niah_nope"], [512], 1, seed=0, count_tokens=words, render=completion_prompt)
+    with pytest.raises(ValueError, match="depth"):
+        make_item("niah_single", 512, 0, 0, words, completion_prompt, depth=101)
+
+
+def test_qa_items_answer_in_passage_and_kinds_rotate():
+    items = make_items(["qa"], [1024], 4, seed=5, count_tokens=words, render=completion_prompt, qa_items=9)
+    assert [i.id.split("/")[1] for i in items] == ["bio", "sum", "capital"] * 3
+    for item in items:
+        (answer,) = item.answers
+        if item.id.startswith("qa/sum"):
+            a, b = [int(w) for w in item.context.split() if w.isdigit()]
+            assert int(answer) == a + b
+        else:
+            assert answer in item.context
+        assert item.length == 0 and completion_prompt(item).endswith(item.answer_prefix)
+
+
+@pytest.mark.parametrize(
+    "prediction, answers, expected",
+    [
+        (" 1234567.", ["1234567"], 1.0),
+        (" 12345678.", ["1234567"], 0.0),
+        ("\n\n 1234567 and more\n7654321", ["1234567", "7654321"], 0.5),  # first non-empty line only
+        (" The Paris.", ["paris"], 1.0),
+        (" Paris, Berlin, Rome", ["Rome", "Paris", "Oslo", "Berlin"], 0.75),
+        ("", ["x"], 0.0),
+        ("nope", ["New York"], 0.0),
+        ("in new-york city", ["New York"], 1.0),
+    ],
+)
+def test_score(prediction, answers, expected):
+    assert score(prediction, answers) == expected
+
+
+def test_normalize_and_exact_match():
+    assert ed.normalize("  The  Quick, brown fox!! ") == "quick brown fox"
+    assert ed.exact_match(" Velbridge.\nmore", ["velbridge"])
+    assert not ed.exact_match(" Velbridge town", ["velbridge"])
+
+
+def test_chat_prompt_wraps_one_user_turn_then_the_answer_prefix():
+    item = make_item("qa", 0, 2, 0, words, completion_prompt)
+    text = RENDERS["chat"](item)
+    assert text.startswith("<|user|>\n" + item.instruction)
+    assert text.endswith("<|assistant|>\n" + item.answer_prefix)
