@@ -12,7 +12,9 @@ Tasks (RULER's closest task in brackets):
 - ``niah_single``  one needle "The special magic number for <key> is <7 digits>." in a
   repeated noise haystack ("The grass is green. ..."); ask it.  [niah_single_1]
 - ``niah_multikey`` four needles with different keys in an essay-like haystack of
-  generated sentences; ask one.  [niah_multikey_1]
+  generated sentences; each asked in turn: four items sharing one context, so a prefix
+  cache serves the context of the last three (hybrid prefix hits get exercised too).
+  [niah_multikey_1, which asks one]
 - ``niah_multivalue`` four needles with one key and four values; ask all.  [niah_multivalue]
 - ``qa`` a short passage (a made-up biography, a small sum, or real capitals) and a
   question whose answer is in it; ``length`` is 0.
@@ -20,9 +22,9 @@ Tasks (RULER's closest task in brackets):
 Length: ``length`` bounds prompt plus answer, as RULER's ``max_seq_length``: the rendered
 prompt (``render``, counted by ``count_tokens``, special tokens included) takes at most
 ``length - max_tokens`` tokens and is within one haystack sentence of it. Depth: the
-asked needle of item i of n at one length sits at ``100 * i / (n - 1)`` percent of the
-haystack's sentences (0 = first, 100 = last), shuffled over the items by the seed;
-other needles go at seeded random depths. Scoring (:func:`score`): the fraction of the
+asked needles of the n haystacks at one length (multikey: their 4n needles) sit at
+``100 * i / (n - 1)`` percent of the haystack's sentences (0 = first, 100 = last),
+shuffled over the items by the seed; other needles go at seeded random depths. Scoring (:func:`score`): the fraction of the
 gold strings found, after SQuAD-style normalisation, as whole words in the first line of
 the output (RULER's ``string_match_all``, on words rather than characters).
 """
@@ -42,7 +44,8 @@ __all__ = [
     "NIAH_TASKS",
     "Item",
     "make_items",
-    "make_item",
+    "make_haystack_items",
+    "make_qa_item",
     "completion_prompt",
     "chat_prompt",
     "normalize",
@@ -226,54 +229,58 @@ def _insert(filler: Sequence[str], needles: Sequence[tuple[float, str]]) -> str:
     return " ".join(out)
 
 
-def _niah_parts(task: str, rng: random.Random, depth: float):
-    """(haystack maker, needles as (depth, text) with the asked ones first, question, prefix, answers)."""
+def _niah_parts(task: str, rng: random.Random, depths: Sequence[float]):
+    """(haystack maker, needles as (depth, text), [(asked key, answers, asked needle indices)], noun).
+
+    ``depths``: the asked needles' depths (multikey: one per needle, each asked in turn)."""
     if task == "niah_single":
         (key,), (value,) = _keys(rng, 1), _values(rng, 1)
-        needles = [(depth, _needle(key, value))]
-        return _noise, needles, key, [value], "number"
+        return _noise, [(depths[0], _needle(key, value))], [(key, [value], [0])], "number"
     if task == "niah_multikey":
         keys, values = _keys(rng, NUM_NEEDLES), _values(rng, NUM_NEEDLES)
-        needles = [(depth, _needle(keys[0], values[0]))]
-        needles += [(rng.uniform(0, 100), _needle(k, v)) for k, v in zip(keys[1:], values[1:])]
-        return _essay, needles, keys[0], [values[0]], "number"
+        needles = [(d, _needle(k, v)) for d, k, v in zip(depths, keys, values)]
+        return _essay, needles, [(k, [v], [j]) for j, (k, v) in enumerate(zip(keys, values))], "number"
     if task == "niah_multivalue":
         (key,), values = _keys(rng, 1), _values(rng, NUM_NEEDLES)
-        needles = [(depth, _needle(key, values[0]))] + [(rng.uniform(0, 100), _needle(key, v)) for v in values[1:]]
-        return _essay, needles, key, values, "numbers"
+        needles = [(depths[0], _needle(key, values[0]))] + [(rng.uniform(0, 100), _needle(key, v)) for v in values[1:]]
+        return _essay, needles, [(key, values, list(range(NUM_NEEDLES)))], "numbers"
     raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 
 
-def _niah_item(
-    task: str, length: int, index: int, depth: float, seed: int,
+def _niah_haystack(
+    task: str, length: int, index: int, depths: Sequence[float], seed: int,
     count_tokens: Callable[[str], int], render: Callable[[Item], str],
-) -> Item:
+) -> list[Item]:
+    """The items of one haystack: one question, or (multikey) one per needle, sharing the context."""
     rng = _rng(seed, task, length, index)
-    make_filler, needles, key, answers, noun = _niah_parts(task, rng, depth)
+    make_filler, needles, questions, noun = _niah_parts(task, rng, depths)
     plural = noun == "numbers"
     instruction = (
-        f"Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-        f"I will quiz you about the numbers afterwards."
+        "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+        "I will quiz you about the numbers afterwards."
     )
-    question = (
-        f"What {'are all the special magic numbers' if plural else 'is the special magic number'} "
-        f"for {key} mentioned in the provided text?"
-    )
-    prefix = f"The special magic {noun} for {key} mentioned in the provided text {'are' if plural else 'is'}"
+    what = "are all the special magic numbers" if plural else "is the special magic number"
     max_tokens = MAX_TOKENS[task]
     budget = length - max_tokens
     stream, filler = make_filler(rng), []
 
-    def build(n: int) -> Item:
-        return Item(
-            id=f"{task}/{length}/{index}", task=task, length=length, instruction=instruction,
-            context=_insert(filler[:n], needles), question=question, answer_prefix=prefix,
-            answers=tuple(answers), needles=tuple(t for _, t in needles),
-            depths=(needles[0][0],) if not plural else tuple(d for d, _ in needles), max_tokens=max_tokens,
-        )
+    def build(n: int) -> list[Item]:
+        context = _insert(filler[:n], needles)
+        items = []
+        for q, (key, answers, asked) in enumerate(questions):
+            order = asked + [j for j in range(len(needles)) if j not in asked]
+            items.append(Item(
+                id=f"{task}/{length}/{index}" + (f".{q}" if len(questions) > 1 else ""), task=task,
+                length=length, instruction=instruction, context=context,
+                question=f"What {what} for {key} mentioned in the provided text?",
+                answer_prefix=f"The special magic {noun} for {key} mentioned in the provided text {'are' if plural else 'is'}",
+                answers=tuple(answers), needles=tuple(needles[j][1] for j in order),
+                depths=tuple(needles[j][0] for j in asked), max_tokens=max_tokens,
+            ))
+        return items
 
     def size(n: int) -> int:
-        return count_tokens(render(build(n)))
+        return max(count_tokens(render(item)) for item in build(n))
 
     if size(0) > budget:
         raise ValueError(f"{task}: a {length}-token item cannot hold the instruction, needles and answer")
@@ -328,24 +335,33 @@ def _depths(n: int, rng: random.Random) -> list[float]:
     return depths
 
 
-def make_item(
+def make_haystack_items(
     task: str, length: int, index: int, seed: int, count_tokens: Callable[[str], int],
-    render: Callable[[Item], str], depth: float = 50.0,
-) -> Item:
-    """One item; ``length`` and ``depth`` are ignored for ``qa``."""
-    if task == "qa":
-        return _qa_item(index, seed)
-    if not 0 <= depth <= 100:
-        raise ValueError(f"depth must be in [0, 100], got {depth!r}")
-    return _niah_item(task, length, index, depth, seed, count_tokens, render)
+    render: Callable[[Item], str], depths: Sequence[float] | None = None,
+) -> list[Item]:
+    """The items of haystack ``index`` of a NIAH task at ``length``; ``depths``: the asked
+    needles' (multikey: one per needle; default evenly spread), in percent."""
+    if task not in NIAH_TASKS:
+        raise ValueError(f"unknown NIAH task {task!r}; known: {', '.join(NIAH_TASKS)}")
+    count = NUM_NEEDLES if task == "niah_multikey" else 1
+    depths = list(depths) if depths is not None else [100 * i / max(count - 1, 1) for i in range(count)] if count > 1 else [50.0]
+    if len(depths) != count or not all(0 <= d <= 100 for d in depths):
+        raise ValueError(f"{task} needs {count} depth(s) in [0, 100], got {depths!r}")
+    return _niah_haystack(task, length, index, depths, seed, count_tokens, render)
+
+
+def make_qa_item(index: int, seed: int) -> Item:
+    return _qa_item(index, seed)
 
 
 def make_items(
     tasks: Sequence[str], lengths: Sequence[int], per_length: int, *, seed: int,
     count_tokens: Callable[[str], int], render: Callable[[Item], str], qa_items: int | None = None,
 ) -> list[Item]:
-    """``per_length`` items of each NIAH task at each length, and ``qa_items`` (default
-    ``per_length * len(lengths)``) QA items when ``"qa"`` is among the tasks."""
+    """``per_length`` haystacks of each NIAH task at each length (multikey: one item per
+    needle, the haystack shared) and ``qa_items`` (default ``per_length * len(lengths)``)
+    QA items when ``"qa"`` is among the tasks. The asked depths at one length are spread
+    evenly over 0..100 across the haystacks (multikey: across all its needles)."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
@@ -356,7 +372,9 @@ def make_items(
         if task == "qa":
             items += [_qa_item(i, seed) for i in range(per_length * len(lengths) if qa_items is None else qa_items)]
             continue
+        per = NUM_NEEDLES if task == "niah_multikey" else 1
         for length in lengths:
-            depths = _depths(per_length, _rng(seed, task, length, "depths"))
-            items += [_niah_item(task, length, i, depths[i], seed, count_tokens, render) for i in range(per_length)]
+            depths = _depths(per_length * per, _rng(seed, task, length, "depths"))
+            for i in range(per_length):
+                items += _niah_haystack(task, length, i, depths[i * per:(i + 1) * per], seed, count_tokens, render)
     return items

@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import _eval_data as ed  # noqa: E402
-from _eval_data import Item, completion_prompt, make_item, make_items, score  # noqa: E402
+from _eval_data import Item, completion_prompt, make_haystack_items, make_items, make_qa_item, score  # noqa: E402
 
 
 def words(text: str) -> int:
@@ -63,9 +63,16 @@ def test_needles_once_at_their_depth_and_prompt_fits_its_length(seed):
     length = rng.choice([150, 257, 1000, 2049, 4096]) * (5 if count is utf8_bytes else 1)
     n = rng.choice([1, 2, 3, 5])
     items = make_items([task], [length], n, seed=seed, count_tokens=count, render=render)
-    assert len(items) == n
+    per = ed.NUM_NEEDLES if task == "niah_multikey" else 1
+    assert len(items) == n * per
     asked_depths = sorted(i.depths[0] for i in items)
-    assert asked_depths == ([50.0] if n == 1 else [100 * k / (n - 1) for k in range(n)])
+    m = n * per
+    assert asked_depths == ([50.0] if m == 1 else [100 * k / (m - 1) for k in range(m)])
+    if task == "niah_multikey":  # one haystack, each of its needles asked once
+        for h in range(n):
+            group = items[h * per:(h + 1) * per]
+            assert len({i.context for i in group}) == 1
+            assert sorted(i.needles[0] for i in group) == sorted(group[0].needles)
     sentences = ed.NOISE + tuple(itertools.islice(ed._essay(random.Random(seed)), 2000))
     longest = max(count(" " + s) for s in sentences)  # the bound is within one haystack sentence
     for item in items:
@@ -74,6 +81,7 @@ def test_needles_once_at_their_depth_and_prompt_fits_its_length(seed):
         for needle in item.needles:
             assert prompt.count(needle) == 1
         assert len(item.needles) == (1 if task == "niah_single" else ed.NUM_NEEDLES)
+        assert len(item.depths) == (ed.NUM_NEEDLES if task == "niah_multivalue" else 1)
         values = [n.rsplit(" ", 1)[1].rstrip(".") for n in item.needles]
         keys = [n.split(" for ", 1)[1].split(" is ")[0] for n in item.needles]
         assert len(set(values)) == len(values) and all(len(v) == 7 and v.isdigit() for v in values)
@@ -100,14 +108,16 @@ def test_depth_zero_and_hundred_are_the_ends_of_the_haystack():
 
 
 def test_longer_lengths_get_longer_haystacks_and_too_short_is_refused():
-    sizes = [words(make_item("niah_multikey", n, 0, 3, words, completion_prompt).context) for n in (200, 400, 800)]
+    sizes = [words(make_haystack_items("niah_multikey", n, 0, 3, words, completion_prompt)[0].context) for n in (200, 400, 800)]
     assert sizes[0] < sizes[1] < sizes[2]
     with pytest.raises(ValueError, match="cannot hold"):
-        make_item("niah_multivalue", 60, 0, 0, words, completion_prompt)
+        make_haystack_items("niah_multivalue", 60, 0, 0, words, completion_prompt)
     with pytest.raises(ValueError, match="unknown task"):
         make_items(["niah_nope"], [512], 1, seed=0, count_tokens=words, render=completion_prompt)
     with pytest.raises(ValueError, match="depth"):
-        make_item("niah_single", 512, 0, 0, words, completion_prompt, depth=101)
+        make_haystack_items("niah_single", 512, 0, 0, words, completion_prompt, depths=[101])
+    with pytest.raises(ValueError, match="depth"):
+        make_haystack_items("niah_multikey", 512, 0, 0, words, completion_prompt, depths=[10, 20])
 
 
 def test_qa_items_answer_in_passage_and_kinds_rotate():
@@ -147,7 +157,7 @@ def test_normalize_and_exact_match():
 
 
 def test_chat_prompt_wraps_one_user_turn_then_the_answer_prefix():
-    item = make_item("qa", 0, 2, 0, words, completion_prompt)
+    item = make_qa_item(2, 0)
     text = RENDERS["chat"](item)
     assert text.startswith("<|user|>\n" + item.instruction)
     assert text.endswith("<|assistant|>\n" + item.answer_prefix)
