@@ -56,7 +56,7 @@ __all__ = [
 NIAH_TASKS = ("niah_single", "niah_multikey", "niah_multivalue")
 TASKS = NIAH_TASKS + ("qa",)
 NUM_NEEDLES = 4  # distractor keys (multikey) / values (multivalue), as RULER's defaults
-MAX_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 56, "qa": 16}
+MAX_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 96, "qa": 16}
 
 NOISE = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 ADJECTIVES = (
@@ -155,26 +155,29 @@ def normalize(text: str) -> str:
     return " ".join(_ARTICLES.sub(" ", text.lower().translate(_PUNCT)).split())
 
 
-def _first_line(prediction: str) -> str:
+def _answer_text(prediction: str, num_answers: int) -> str:
+    """What is scored: the first non-empty line for one answer (a base model runs on past
+    its answer, into text that may quote other needles); all of it for several (a chat
+    model lists them over lines)."""
     stripped = prediction.strip()
-    return stripped.split("\n", 1)[0] if stripped else ""
+    return stripped if num_answers > 1 else stripped.split("\n", 1)[0]
 
 
 def score(prediction: str, answers: Sequence[str]) -> float:
-    """Fraction of ``answers`` found as whole words in the prediction's first line.
+    """Fraction of ``answers`` found as whole words in the prediction (see :func:`_answer_text`).
 
     >>> score(" 1234567.\\nQuestion: ...", ["1234567"]), score("12345678", ["1234567"])
     (1.0, 0.0)
     >>> score("Paris and 42", ["paris", "41"])
     0.5
     """
-    words = f" {normalize(_first_line(prediction))} "
+    words = f" {normalize(_answer_text(prediction, len(answers)))} "
     return sum(f" {normalize(a)} " in words for a in answers) / len(answers)
 
 
 def exact_match(prediction: str, answers: Sequence[str]) -> bool:
-    """The first line, normalised, equals the answers joined (one answer: equals it)."""
-    return normalize(_first_line(prediction)) == normalize(" ".join(answers))
+    """The scored text, normalised, equals the answers joined (one answer: equals it)."""
+    return normalize(_answer_text(prediction, len(answers))) == normalize(" ".join(answers))
 
 
 # ---------------------------------------------------------------- generation

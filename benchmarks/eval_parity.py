@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _eval_data as data  # noqa: E402
 
-QUICK = dict(lengths=[512], items_per_length=1, qa_items=3)
-DEFAULT_LENGTHS = [1024, 2048, 4096, 8192]
+QUICK = dict(lengths=[384], items_per_length=1, qa_items=2)
+FULL = dict(lengths=[1024, 2048, 4096, 8192], items_per_length=1, qa_items=12)
 LAYOUTS = ("hybrid", "full")
 
 
@@ -321,16 +321,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a handful of short items (smoke test)")
     p.add_argument("--models", type=_names(list(MODELS)), default=list(MODELS), help="comma-separated")
     p.add_argument("--tasks", type=_names(list(data.TASKS)), default=list(data.TASKS), help="comma-separated")
-    p.add_argument("--lengths", type=_int_list, default=None, help=f"token bounds (default {DEFAULT_LENGTHS})")
-    p.add_argument("--items-per-length", type=int, default=None, help="per NIAH task and length (default 3)")
-    p.add_argument("--qa-items", type=int, default=None, help="QA items (default 12)")
+    p.add_argument("--lengths", type=_int_list, default=None, help=f"prompt + answer token bounds (default {FULL['lengths']})")
+    p.add_argument(
+        "--items-per-length", type=int, default=None,
+        help=f"haystacks per NIAH task and length (default {FULL['items_per_length']}; multikey asks 4 questions of each)",
+    )
+    p.add_argument("--qa-items", type=int, default=None, help=f"QA items (default {FULL['qa_items']})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-budget", default="1GiB", help="KV pool of each engine and the batch-fit budget")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--hf", action="store_true", help="also run transformers on the same ids (cross-check)")
     p.add_argument("--json", type=Path, default=None, help="write every item, output and figure here")
     args = p.parse_args(argv)
-    defaults = QUICK if args.quick else dict(lengths=DEFAULT_LENGTHS, items_per_length=3, qa_items=12)
+    defaults = QUICK if args.quick else FULL
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -138,7 +138,9 @@ def test_qa_items_answer_in_passage_and_kinds_rotate():
     [
         (" 1234567.", ["1234567"], 1.0),
         (" 12345678.", ["1234567"], 0.0),
-        ("\n\n 1234567 and more\n7654321", ["1234567", "7654321"], 0.5),  # first non-empty line only
+        ("\n\n 1234567 and more\n7654321", ["1234567"], 1.0),  # one answer: the first non-empty line
+        ("\n\n 7654321 and more\n1234567", ["1234567"], 0.0),
+        (":\n\n- 1234567 (for x)\n- 7654321 (for x)\n- 11", ["1234567", "7654321", "1111111"], 2 / 3),  # several: all
         (" The Paris.", ["paris"], 1.0),
         (" Paris, Berlin, Rome", ["Rome", "Paris", "Oslo", "Berlin"], 0.75),
         ("", ["x"], 0.0),
