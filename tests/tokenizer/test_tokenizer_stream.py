@@ -13,7 +13,7 @@ from _texts import texts
 from hybridkv.errors import InvalidArgumentError
 from hybridkv.tokenizer import ByteTokenizer, IncrementalDetokenizer, StopStringMatcher
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def stream(detok: IncrementalDetokenizer, ids: list[int], cuts: list[int]) -> list[str]:
@@ -88,3 +88,151 @@ def test_stop_bad_input(bad):
         StopStringMatcher(bad if bad != "" else [""])
     with pytest.raises(InvalidArgumentError):
         StopStringMatcher(["x"]).feed(None)
+
+
+# ---------------------------------------------------------------- properties: detokenizer
+
+
+def _retracting_run(tok, ids: list[int], skip: bool) -> bool:
+    """Whether a byte-fallback run in ``ids`` completes a character and also holds invalid bytes:
+    tokenizers then decodes the whole run as U+FFFDs, retracting text a stream already showed."""
+    if not tok.byte_fallback_ids:
+        return False
+    hidden = tok.special_token_ids if skip else frozenset()
+    runs, run = [], bytearray()
+    for token in tok.convert_ids_to_tokens([i for i in ids if i not in hidden]):
+        if token.startswith("<0x") and len(token) == 6:
+            run.append(int(token[3:5], 16))
+        else:
+            runs.append(bytes(run))
+            run = bytearray()
+    runs.append(bytes(run))
+    for r in runs:
+        try:
+            r.decode("utf-8")
+        except UnicodeDecodeError:
+            if r.decode("utf-8", errors="replace").strip("\ufffd"):
+                return True
+    return False
+
+
+@st.composite
+def id_streams(draw, tok_name: str):
+    """Output ids mixing real text, byte-fallback bytes of real characters, random bytes, specials, random ids."""
+    return draw(st.lists(st.tuples(st.integers(0, 5), st.text(max_size=4), st.integers(0, 10**6)), max_size=12)), draw(
+        st.lists(st.integers(1, 4), max_size=20)
+    )
+
+
+def _ids_from(tok, pieces) -> list[int]:
+    ids: list[int] = []
+    byte_id = {int(t[3:5], 16): i for i in tok.byte_fallback_ids for t in tok.convert_ids_to_tokens([i])}
+    for kind, text, n in pieces:
+        if kind <= 1 or (kind == 2 and not byte_id):
+            ids += tok.encode(text, add_special_tokens=False)
+        elif kind == 2:
+            ids += [byte_id[b] for b in text.encode("utf-8", errors="surrogatepass")]
+        elif kind == 3 and byte_id:
+            ids.append(byte_id[n % 256])
+        elif kind == 4 and tok.special_token_ids:
+            ids.append(sorted(tok.special_token_ids)[n % len(tok.special_token_ids)])
+        else:
+            ids.append(n % tok.vocab_size)
+    return ids
+
+
+@pytest.mark.parametrize("name", ["bpe_tok", "spm_tok", "byte"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_deltas_equal_full_decode(request, name, skip):
+    tok = ByteTokenizer(300) if name == "byte" else request.getfixturevalue(name)
+
+    @SETTINGS
+    @given(st.data())
+    def check(data):
+        pieces, cuts = data.draw(id_streams(name))
+        ids = _ids_from(tok, pieces)
+        prompt = tok.encode(data.draw(st.sampled_from(["", "Q:", "The capital of 日本 is", "emoji 😀"])))
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        out = "".join(stream(detok, ids, cuts))
+        full = tok.decode(ids, skip_special_tokens=skip)
+        if _retracting_run(tok, ids, skip):
+            detok.flush()
+            return
+        if not full.endswith("\ufffd"):
+            assert out == full
+        assert out + detok.flush() == full
+        assert detok.text == full
+
+    check()
+
+
+def test_deltas_on_realistic_text(bpe_tok, spm_tok):
+    rng = random.Random(7)
+    for tok in (bpe_tok, spm_tok):
+        for text in texts(150, seed=3):
+            ids = tok.encode(text, add_special_tokens=False)
+            detok = IncrementalDetokenizer(tok, tok.encode("Prompt:"))
+            out = stream(detok, ids, [rng.randint(1, 3) for _ in range(len(ids))])
+            assert "".join(out) + detok.flush() == tok.decode(ids)
+            if tok is bpe_tok:  # byte-level BPE round-trips any text but its special tokens
+                for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
+                    text = text.replace(special, "")
+                assert tok.decode(ids) == text
+
+
+# ---------------------------------------------------------------- properties: stop strings
+
+
+def reference_stop(full: str, stops: list[str]) -> tuple[str, bool]:
+    """Brute force: the first end position at which some stop string completes."""
+    for end in range(1, len(full) + 1):
+        done = [s for s in stops if full[:end].endswith(s)]
+        if done:
+            return full[: end - max(map(len, done))], True
+    return full, False
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.text(alphabet="ab\n</>", max_size=40),
+    st.lists(st.text(alphabet="ab\n</>", min_size=1, max_size=5), min_size=1, max_size=4),
+    st.lists(st.integers(0, 6), max_size=20),
+)
+def test_stop_matcher_equals_brute_force(full, stops, cuts):
+    m = StopStringMatcher(stops)
+    out, at, stopped = [], 0, False
+    for step in [*cuts, len(full)]:
+        text, stopped = m.feed(full[at : at + step])
+        out.append(text)
+        at += step
+        if stopped:
+            break
+    expected, expect_stop = reference_stop(full, stops)
+    if not stopped:
+        out.append(m.flush())
+    assert ("".join(out), stopped) == (expected, expect_stop)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=30), st.lists(st.text(min_size=1, max_size=3), min_size=1, max_size=3))
+def test_stop_matcher_unicode(full, stops):
+    m = StopStringMatcher(stops)
+    emitted = ""
+    for ch in full:  # one character at a time: the tightest streaming
+        text, stopped = m.feed(ch)
+        emitted += text
+        assert len(m._held) < max(map(len, stops))  # never holds more than a partial stop
+        if stopped:
+            break
+    else:
+        emitted += m.flush()
+    assert emitted == reference_stop(full, stops)[0]
+
+
+def test_prompt_ending_in_a_byte_run(spm_tok):
+    """The output continues the prompt's byte run: the run is decoded from the output alone."""
+    byte = {b: spm_tok.backend.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    prompt = spm_tok.encode("x") + [byte[b] for b in "😀".encode()]
+    detok = IncrementalDetokenizer(spm_tok, prompt)
+    out = [detok.add([byte[b]]) for b in "你".encode()] + [detok.add(spm_tok.encode(" ok", add_special_tokens=False))]
+    assert "".join(out) == "你 ok"

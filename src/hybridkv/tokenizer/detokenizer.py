@@ -18,7 +18,7 @@ string, all U+FFFD if any byte in it is invalid, so a run that completes a chara
 continues with invalid bytes retracts text already streamed (a model emitting broken UTF-8; we
 keep the streamed character). ``flush()`` returns what is held at the end of a stream. With a
 prompt, its last few ids give the first output token its context (a leading ``▁`` is a space
-after a prompt), never starting or ending inside a byte run.
+after a prompt); a prompt ending in a byte run gives none (its run could go on).
 
 Usage::
 
@@ -46,8 +46,6 @@ class IncrementalDetokenizer:
         self._hidden = frozenset(getattr(tokenizer, "special_token_ids", ())) if skip_special_tokens else frozenset()
         self._bytes = frozenset(getattr(tokenizer, "byte_fallback_ids", ()))
         context = check_ids(prompt_ids, tokenizer.vocab_size)[-PROMPT_CONTEXT:]
-        while context and context[0] in self._bytes:  # never start a window inside a byte run
-            context.pop(0)
         if self._pending_run(context):  # the prompt ends in a byte run the output could continue
             context = []
         self._ids = context
