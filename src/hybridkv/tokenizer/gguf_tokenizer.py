@@ -23,7 +23,7 @@ from typing import Any
 
 from hybridkv.errors import TokenizerError
 from hybridkv.tokenizer.gguf_vocab import TokenizerParts, tokenizer_parts_from_gguf
-from hybridkv.tokenizer.hf import SPECIAL_NAMES, HFTokenizer
+from hybridkv.tokenizer.hf import SPECIAL_NAMES, HFTokenizer, template_processor
 
 #: bump when the built tokenizer changes for the same metadata (old cache entries are then ignored)
 FORMAT_VERSION = 1
@@ -67,6 +67,7 @@ def build_backend(parts: TokenizerParts) -> Any:
         backend.add_special_tokens(special)
     if plain:
         backend.add_tokens(plain)
+    backend.post_processor = template_processor(backend, parts.config)
     return backend
 
 

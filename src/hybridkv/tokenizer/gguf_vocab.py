@@ -1,4 +1,4 @@
-"""A ``tokenizer.json`` (as a dict) from a GGUF file's tokenizer metadata.
+"""The parts of a ``tokenizers`` tokenizer, from a GGUF file's tokenizer metadata.
 
 A GGUF carries no ``tokenizer.json``: it stores the vocabulary under llama.cpp's keys
 (``tokenizer.ggml.model``, ``.tokens``, ``.scores``, ``.token_type``, ``.merges``, the special
@@ -113,7 +113,7 @@ def tokenizer_parts_from_gguf(metadata: Mapping[str, Any]) -> TokenizerParts:
         "added_tokens": [],
         "normalizer": None,
         "pre_tokenizer": None,
-        "post_processor": template_processing(config, vocab),
+        "post_processor": None,  # set by hf.template_processor once the vocabulary is in
         "decoder": None,
     }
     if kind == "gpt2":
@@ -219,25 +219,6 @@ def _added_tokens(tokens, types, vocab, config, byte_level: bool) -> list[tuple[
         if config[name] is not None and config[name] in vocab:
             added.setdefault(config[name], True)
     return list(added.items())
-
-
-def template_processing(config: Mapping[str, Any], ids: Mapping[str, int]) -> dict:
-    """transformers' ``update_post_processor``: ``<bos> $A <eos>`` as ``add_bos_token`` / ``add_eos_token``
-    say (``ids``: the special tokens' ids; one that has none is not added)."""
-    bos = config.get("bos_token") if config.get("add_bos_token") else None
-    eos = config.get("eos_token") if config.get("add_eos_token") else None
-    bos, eos = (token if token in ids else None for token in (bos, eos))
-    single, pair, special = [], [], {}
-    for type_id, seq, out in ((0, "A", single), (0, "A", pair), (1, "B", pair)):
-        if bos is not None:
-            out.append({"SpecialToken": {"id": bos, "type_id": type_id}})
-        out.append({"Sequence": {"id": seq, "type_id": type_id}})
-        if eos is not None:
-            out.append({"SpecialToken": {"id": eos, "type_id": type_id}})
-    for token in (bos, eos):
-        if token is not None:
-            special[token] = {"id": token, "ids": [ids[token]], "tokens": [token]}
-    return {"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special}
 
 
 def _bpe_args(*, unk, byte_fallback: bool, fuse_unk: bool, affixes) -> dict[str, Any]:

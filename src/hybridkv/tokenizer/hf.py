@@ -96,16 +96,13 @@ def load_tokenizer(model_dir: str | Path) -> HFTokenizer:
     special = {name: _token_text(config.get(name)) for name in SPECIAL_NAMES}
     added = config.get("added_tokens_decoder") or {}
     new = [_added_token(AddedToken, t) for _, t in sorted(added.items(), key=lambda kv: int(kv[0]))]
-    present = set(backend.get_added_tokens_decoder().values())
-    present_text = {t.content for t in present}
+    present_text = {t.content for t in backend.get_added_tokens_decoder().values()}
     new = [t for t in new if t is not None and t.content not in present_text]
     new += [AddedToken(t, special=True, normalized=False) for t in special.values() if t and t not in present_text]
     if new:
         backend.add_tokens(new)
     if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-        bos = special["bos_token"] if config.get("add_bos_token") else None
-        eos = special["eos_token"] if config.get("add_eos_token") else None
-        backend.post_processor = _template_processor(backend, bos, eos)
+        backend.post_processor = template_processor(backend, {**config, **special})
     return HFTokenizer(
         backend,
         special_tokens=special,
@@ -114,11 +111,14 @@ def load_tokenizer(model_dir: str | Path) -> HFTokenizer:
     )
 
 
-def _template_processor(backend: Any, bos: str | None, eos: str | None) -> Any:
-    """transformers' ``update_post_processor``: ``bos $A eos`` (``$A bos $B eos`` for pairs)."""
+def template_processor(backend: Any, config: Mapping[str, Any]) -> Any:
+    """transformers' ``update_post_processor``: ``bos $A eos`` as ``config``'s ``add_bos_token`` /
+    ``add_eos_token`` say (``bos_token`` / ``eos_token`` name them; one the vocabulary lacks is left out)."""
     from tokenizers import processors
 
-    bos, eos = (t if t is not None and backend.token_to_id(t) is not None else None for t in (bos, eos))
+    bos = config.get("bos_token") if config.get("add_bos_token") else None
+    eos = config.get("eos_token") if config.get("add_eos_token") else None
+    bos, eos = (t if isinstance(t, str) and backend.token_to_id(t) is not None else None for t in (bos, eos))
     single = f"{bos + ':0 ' if bos else ''}$A:0{' ' + eos + ':0' if eos else ''}"
     pair = f"{single}{' ' + bos + ':1' if bos else ''} $B:1{' ' + eos + ':1' if eos else ''}"
     special = [(t, backend.token_to_id(t)) for t in (bos, eos) if t]
