@@ -18,3 +18,20 @@ def private_tensor_cache(tmp_path, monkeypatch):
     folder = tmp_path / "hybridkv-cache"
     monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(folder))
     return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """One torch thread, as the engine tests (tiny models; the CI machine has 2 busy cores)."""
+    if "torch" not in sys.modules:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            yield
+            return
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
