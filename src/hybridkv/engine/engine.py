@@ -333,7 +333,7 @@ class LLMEngine:
         u = self._usage
         return KVSummary(
             hybrid=self.config.hybrid,
-            groups=u.groups(),
+            groups=u.groups(u.count(self.kv, (s.request_id for s in self.scheduler.running))),
             bytes_per_block=self.grouping.bytes_per_block,
             peak_blocks=u.peak_total,
             prefix_hit_tokens=u.prefix_hit_tokens,

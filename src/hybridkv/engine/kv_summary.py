@@ -82,24 +82,27 @@ class UsageTracker:
     def __init__(self, specs: Iterable[KVCacheSpec], layers_per_group: Iterable[int]) -> None:
         self.specs = tuple(specs)
         self.num_layers = tuple(layers_per_group)
-        n = len(self.specs)
-        self.in_use = [0] * n
-        self.peak = [0] * n
+        self.peak = [0] * len(self.specs)
         self.peak_total = 0
         self.prefix_hit_tokens = 0
 
-    def sample(self, kv: KVCacheManager, request_ids: Iterable[str]) -> None:
-        """Count the distinct non-null blocks ``request_ids`` hold per group now."""
+    def count(self, kv: KVCacheManager, request_ids: Iterable[str]) -> list[int]:
+        """Distinct non-null blocks ``request_ids`` hold per group now."""
         held: list[set[int]] = [set() for _ in self.specs]
         for rid in request_ids:
             for g, ids in enumerate(kv.get_block_ids(rid)):
                 held[g].update(ids)
-        self.in_use = [len(s - {0}) for s in held]
-        self.peak = [max(p, n) for p, n in zip(self.peak, self.in_use)]
-        self.peak_total = max(self.peak_total, sum(self.in_use))
+        return [len(s - {0}) for s in held]
 
-    def groups(self) -> tuple[GroupUsage, ...]:
+    def sample(self, kv: KVCacheManager, request_ids: Iterable[str]) -> None:
+        """Raise the peaks to what ``request_ids`` hold now."""
+        now = self.count(kv, request_ids)
+        self.peak = [max(p, n) for p, n in zip(self.peak, now)]
+        self.peak_total = max(self.peak_total, sum(now))
+
+    def groups(self, in_use: Iterable[int]) -> tuple[GroupUsage, ...]:
+        """Per group: its spec, layers, ``in_use`` blocks (a :meth:`count`) and peak."""
         return tuple(
             GroupUsage(g, spec.kind, spec.attention_span, layers, now, peak)
-            for g, (spec, layers, now, peak) in enumerate(zip(self.specs, self.num_layers, self.in_use, self.peak))
+            for g, (spec, layers, now, peak) in enumerate(zip(self.specs, self.num_layers, in_use, self.peak))
         )
