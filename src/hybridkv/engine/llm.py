@@ -141,14 +141,20 @@ class _Stream:
         self.stop_string: str | None = None
 
     def feed(self, ids: Sequence[int], last: bool) -> tuple[str, bool]:
-        """New text for ``ids``; True when a stop string matched (the text ends before it)."""
+        """New text for ``ids`` (``last``: the request's final ids, flush what is held back);
+        True when a stop string matched (the text ends before it)."""
         if self.detok is None:
             return "", False
-        new = self.detok.add(list(ids))
+        vocab = self.detok.tokenizer.vocab_size  # a model may have more rows than its tokenizer ids: no text
+        new = self.detok.add([i for i in ids if i < vocab])
+        if last:
+            new += self.detok.flush()
         stopped = False
         if self.stops is not None:
             new, stopped = self.stops.feed(new)
-            if not stopped and last:
+            if stopped:
+                self.stop_string = self.stops.stop
+            elif last:
                 new += self.stops.flush()
         self.text.append(new)
         return new, stopped
@@ -236,10 +242,8 @@ class LLM:
                         continue  # a request someone else added to the engine
                     text, stopped = s.feed(d.new_token_ids, d.finished)
                     out = d.output
-                    if stopped:
-                        s.stop_string = getattr(s.stops, "matched", None)
-                        if out is None:  # stop it now: its blocks go back before the next step
-                            out = self.engine.abort_request(d.request_id)
+                    if stopped and out is None:  # stop it now: its blocks go back before the next step
+                        out = self.engine.abort_request(d.request_id)
                     if out is not None:
                         del streams[d.request_id]
                         yield TextDelta(s.index, s.rid, text, d.new_token_ids, self._completion(s, out, stopped))
