@@ -9,12 +9,12 @@ to in context (``decode(prompt + output)`` minus ``decode(prompt)``, as vLLM str
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 
 import pytest
 from _hf_tiny import hf_generate
+from _tiny_tokenizer import write_tokenizer
 
 from hybridkv.engine.engine import EngineConfig
 from hybridkv.engine.llm import LLM, CompletionOutput, TextDelta
@@ -24,33 +24,7 @@ from hybridkv.scheduler import SamplingParams
 
 pytest.importorskip("tokenizers")
 
-SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
-CHARS = list("▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'é世界") + list(
-    "àâäçèêëîïôöùûüñαβγδεζηθικλμνξοπρστυφχψω"
-) + [chr(c) for c in range(0x430, 0x450)]  # Cyrillic: enough to give every model id a character
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 NEW = 12
-
-
-def write_tokenizer(path, template: str = TEMPLATE) -> None:
-    """A 128-id character tokenizer (every model id has text) with BOS, EOS and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS[: 128 - len(SPECIALS)])}
-    assert len(vocab) == 128
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    tok.add_special_tokens(SPECIALS)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "chat_template": template,
-    }))
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +156,8 @@ def test_tokenizer_from_the_checkpoint_and_its_errors(tiny, tmp_path):
         no_tok.generate([[1, 2]], SamplingParams(stop=("x",)))
     [out] = no_tok.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
     assert out.text == "" and len(out.token_ids) == 3
+    by_path = LLM(str(path), EngineConfig(block_size=4, num_blocks=40, max_model_len=64))
+    assert by_path.tokenizer.vocab_size == 128 and by_path.encode("ab") == [1, 8, 9]  # tokenizer.json: <s> a b
     raising = tmp_path / "raising"
     shutil.copytree(path, raising)
     write_tokenizer(raising, template="{{ raise_exception('no chats here') }}")

@@ -155,7 +155,7 @@ def test_kv_summary_groups_and_peaks(gemma):
     s0 = engine.kv_summary()
     assert s0.peak_blocks == 0 and s0.prefix_hit_tokens == 0 and s0.hybrid
     labels = sorted(g.label for g in s0.groups)
-    assert labels == ["full", "sliding 12", "sliding 12"] and sum(g.num_layers for g in s0.groups) == 6
+    assert labels == ["full", "sliding(12)", "sliding(12)"] and sum(g.num_layers for g in s0.groups) == 6
     prompt = list(range(1, 61))  # 60 tokens
     engine.generate([prompt], SamplingParams(max_tokens=4))
     engine.generate([prompt + [5]], SamplingParams(max_tokens=1))  # hits the 15 cached blocks of 60 tokens

@@ -41,9 +41,9 @@ class GroupUsage:
 
     @property
     def label(self) -> str:
-        """``full``, ``sliding 512``, ``chunked 8192``."""
+        """``full``, ``sliding(512)``, ``chunked(8192)``."""
         short = self.kind.split("_")[0]
-        return short if self.size is None else f"{short} {self.size}"
+        return short if self.size is None else f"{short}({self.size})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -197,7 +197,7 @@ class LLM:
         if not isinstance(sp, SamplingParams):
             raise InvalidArgumentError(f"sampling must be a SamplingParams, got {sp!r:.60}")
         if sp.stop:
-            self._tokenizer("stop strings")
+            self._tokenizer("a stop string")
         return sp.with_eos(self.eos_token_ids)
 
     # ---------------------------------------------------------------- running
