@@ -118,11 +118,13 @@ def run_engine(causal_lm, prompts: list[list[int]], items: Sequence[data.Item], 
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
+    summary = engine.kv_summary()
     extra = {
         "preemptions": sum(o.num_preemptions for o in outs),
-        "cached_tokens": sum(o.num_cached_tokens for o in outs),
+        "prefix_hit_tokens": summary.prefix_hit_tokens,
         "num_blocks": engine.kv_cache_config.num_blocks,
-        "groups": [f"{g.spec.kind}x{len(g.layers)}" for g in engine.grouping.groups],
+        "peak_kv_bytes": summary.peak_bytes,
+        "groups": [g.label + f" x{g.num_layers}" for g in summary.groups],
     }
     return [list(o.output_token_ids) for o in outs], seconds, extra, engine.grouping
 
@@ -164,15 +166,17 @@ def accuracy_rows(items: Sequence[data.Item], scores: dict[str, list[float]], ou
 
 
 def kv_rows(groupings: dict[str, Any], lengths: Sequence[int], budget: int):
-    """Per context length and layout: KV bytes one request holds and the whole requests
-    ``budget`` holds, both asked of the planner (blocks_per_request, layout_plan)."""
+    """Per context length and layout: KV bytes one request holds (the engine's rule,
+    ``blocks_per_request * bytes_per_block`` of the planner's Grouping) and the whole
+    requests ``budget`` holds (the planner's ``layout_plan``)."""
+    from hybridkv.engine.kv_summary import kv_bytes_per_request
     from hybridkv.planner.plan import layout_plan
 
     rows = []
     for length in lengths:
         row = {"length": length}
         for layout, g in groupings.items():
-            row[f"{layout}_bytes"] = g.blocks_per_request(length) * g.bytes_per_block
+            row[f"{layout}_bytes"] = kv_bytes_per_request(g, length)
             row[f"{layout}_batch"] = layout_plan(layout, g, budget, length).max_num_requests
         rows.append(row)
     return rows
@@ -188,8 +192,8 @@ def print_model(report: dict[str, Any], lanes: Sequence[str], budget_text: str) 
     names = {"hybrid": "hybrid", "full": "all-full", "hf": "HF"}
     print(f"\n== {report['model']}: {report['label']} ==")
     print(
-        f"{report['num_layers']} layers; hybrid groups {' '.join(report['groups']['hybrid'])}, "
-        f"all-full groups {' '.join(report['groups']['full'])}; KV dtype {report['kv_dtype']}; "
+        f"{report['num_layers']} layers; KV groups hybrid [{', '.join(report['groups']['hybrid'])}], "
+        f"all-full [{', '.join(report['groups']['full'])}]; KV dtype {report['kv_dtype']}; "
         f"{len(report['items'])} items, {report['prompt_tokens']:,} prompt tokens; "
         + ", ".join(f"{names[k]} {v:.0f} s" for k, v in report["seconds"].items())
     )
@@ -209,6 +213,9 @@ def print_model(report: dict[str, Any], lanes: Sequence[str], budget_text: str) 
         print(f"outputs differing between hybrid and HF transformers: {len(report['hf_differ'])}")
         for d in report["hf_differ"]:
             print(f"  {d['id']}: hybrid {d['hybrid']!r} / HF {d['hf']!r}")
+    peaks = ", ".join(f"{names[k]} {fmt_bytes(report['engine'][k]['peak_kv_bytes'])}" for k in LAYOUTS)
+    hits = ", ".join(f"{names[k]} {report['engine'][k]['prefix_hit_tokens']:,}" for k in LAYOUTS)
+    print(f"engine runs: peak KV in use {peaks}; prefix-hit tokens {hits}")
     print(f"KV per request and largest batch in {budget_text} (planner Grouping, {report['kv_dtype']} KV):")
     print(f"{'length':>6} {'hybrid':>12} {'all-full':>12} {'ratio':>6} {'batch hybrid':>13} {'batch all-full':>15}")
     for row in report["kv"]:
