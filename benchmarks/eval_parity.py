@@ -38,9 +38,9 @@ import importlib.util
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -67,15 +67,14 @@ MODELS = {
 }
 
 
-@dataclass
-class LaneResult:
-    """One model run over all items in one layout (or transformers): outputs in item order."""
+class EngineRun(NamedTuple):
+    """One engine run over all items: output ids in item order, wall seconds of the
+    ``generate`` call, its KV figures, and the planner's grouping it used."""
 
-    name: str
     token_ids: list[list[int]]
-    texts: list[str]
     seconds: float
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any]
+    grouping: Any  # hybridkv.planner.grouping.Grouping
 
 
 # ------------------------------------------------------------------ loading
@@ -108,7 +107,9 @@ def encoder(model: EvalModel, tok) -> Callable[[str], list[int]]:
 
 
 # -------------------------------------------------------------------- lanes
-def run_engine(causal_lm, prompts: list[list[int]], items: Sequence[data.Item], hybrid: bool, args, max_len: int):
+def run_engine(
+    causal_lm, prompts: list[list[int]], items: Sequence[data.Item], hybrid: bool, args, max_len: int
+) -> EngineRun:
     """All items through one ``LLMEngine.generate`` (batched by the scheduler), greedy."""
     from hybridkv.engine.engine import EngineConfig, LLMEngine
     from hybridkv.scheduler import SamplingParams
@@ -126,7 +127,7 @@ def run_engine(causal_lm, prompts: list[list[int]], items: Sequence[data.Item], 
         "peak_kv_bytes": summary.peak_bytes,
         "groups": [g.label + f" x{g.num_layers}" for g in summary.groups],
     }
-    return [list(o.output_token_ids) for o in outs], seconds, extra, engine.grouping
+    return EngineRun([list(o.output_token_ids) for o in outs], seconds, extra, engine.grouping)
 
 
 def run_hf(path: Path, prompts: list[list[int]], items: Sequence[data.Item], eos: Sequence[int]):
@@ -253,9 +254,8 @@ def evaluate_model(model: EvalModel, args) -> dict[str, Any]:
     groupings, extras = {}, {}
     for layout in LAYOUTS:
         gc.collect()
-        outputs[layout], seconds[layout], extras[layout], groupings[layout] = run_engine(
-            causal_lm, prompts, items, layout == "hybrid", args, max_len
-        )
+        run = run_engine(causal_lm, prompts, items, layout == "hybrid", args, max_len)
+        outputs[layout], seconds[layout], extras[layout], groupings[layout] = run
         print(f"{model.name} {layout}: {seconds[layout]:.1f} s ({extras[layout]})", flush=True)
     eos = causal_lm.eos_token_ids
     del causal_lm

