@@ -119,7 +119,9 @@ def _listing(names: Iterable[str]) -> str:
     return shown
 
 
-def safetensors_tensors(model_dir: str | Path, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_tensors(
+    model_dir: str | Path, skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of ``model_dir``'s safetensors files, by their stored names (``skip(name)``:
     not read at all, e.g. a multimodal checkpoint's vision tower)."""
     from safetensors import safe_open
