@@ -31,8 +31,8 @@ from hybridkv.engine.models import load_model  # noqa: E402
 from hybridkv.scheduler import SamplingParams  # noqa: E402
 
 NEW = 16
-#: fp32 logits of ours vs HF over 1,500-token prompts (measured: see the report of the change)
-LOGIT_TOL = 2e-3
+#: fp32 logits of ours vs HF generate's (measured 2.7e-4, 3.7e-4, 7.6e-5 for A, B, C)
+LOGIT_TOL = 1e-3
 
 
 @pytest.fixture(scope="session")
