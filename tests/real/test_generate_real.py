@@ -42,20 +42,36 @@ def long_text(tokenizer, n_tokens: int, seed: int = 0) -> str:
     while True:
         sentences.append(f"On day {len(sentences) + 1} the {rng.choice(WORDS)} met the {rng.choice(WORDS)} "
                          f"near the {rng.choice(WORDS)}.")
-        if len(sentences) % 20 == 0 and len(tokenizer(" ".join(sentences)).input_ids) >= n_tokens:
+        if len(sentences) % 2 == 0 and len(tokenizer(" ".join(sentences)).input_ids) >= n_tokens:
             return " ".join(sentences) + " The last thing the falcon saw was"
+
+
+# first in the module: the subprocess loads Gemma while this process holds none of our models yet
+def test_cli_streams_gemma_text_and_one_summary_line():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridkv", "generate", "gemma-3-270m", "--prompt", "The capital of France is",
+         "--max-tokens", "8"], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(" the capital of the country of France")
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    summary = proc.stderr
+    assert summary.startswith("1 prompt: 6 prompt + 8 output tokens; TTFT ")
+    assert "KV blocks peak full 1, sliding(512) 5x1" in summary and "prefix hits 0 tokens" in summary
+    assert "KV/request at 32,768 tokens 267.47 MiB hybrid vs 1.12 GiB all-full (all-full / hybrid 4.31x)" in summary
 
 
 @pytest.fixture(scope="module")
 def gemma_llm(gemma_gguf):
     model = load_model(gemma_gguf)
-    return lambda hybrid: LLM(model, EngineConfig(block_size=16, num_blocks=240, max_model_len=2048, hybrid=hybrid))
+    return lambda hybrid: LLM(model, EngineConfig(
+        block_size=16, num_blocks=450, max_model_len=2048, max_num_batched_tokens=512, hybrid=hybrid))
 
 
 def test_gemma_long_prompt_hybrid_and_no_hybrid_equal_transformers(gemma_llm, hf_gemma, hf_gemma_tokenizer):
     text = long_text(hf_gemma_tokenizer, 1500)
     ids = hf_gemma_tokenizer(text).input_ids
-    assert 1500 <= len(ids) < 1700  # past the 512 window, about three windows deep
+    assert 1500 <= len(ids) < 1560  # past the 512 window, about three windows deep
     want = hf_generate(hf_gemma, ids, NEW)[0]
     want_text = hf_gemma_tokenizer.decode(ids + want, skip_special_tokens=True)[len(
         hf_gemma_tokenizer.decode(ids, skip_special_tokens=True)):]
@@ -82,17 +98,3 @@ def test_smollm_chat_through_llm_equals_transformers(smollm_gguf, hf_smollm, hf_
     [out] = llm.generate([chat], SamplingParams(max_tokens=20))
     assert out.text == "The capital of Germany is Berlin."
     assert list(out.token_ids) == want and out.finish_reason == "stop"  # both end at <|im_end|>
-
-
-def test_cli_streams_gemma_text_and_one_summary_line():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "hybridkv", "generate", "gemma-3-270m", "--prompt", "The capital of France is",
-         "--max-tokens", "8"], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith(" the capital of the country of France")
-    assert proc.stderr.count("\n") == 1, proc.stderr
-    summary = proc.stderr
-    assert summary.startswith("1 prompt: 6 prompt + 8 output tokens; TTFT ")
-    assert "KV blocks peak full 1, sliding(512) 5x1" in summary and "prefix hits 0 tokens" in summary
-    assert "KV/request at 32,768 tokens 267.47 MiB hybrid vs 1.12 GiB all-full (all-full / hybrid 4.31x)" in summary
