@@ -9,7 +9,7 @@
 - ``hybridkv generate gemma-3-270m --prompt ...`` (one subprocess: it loads the model)
   streams the text and ends with the one summary line.
 
-Our models load once per module; transformers' come from the session fixtures.
+Our models and transformers' come from the session fixtures (tests/real/conftest.py), each loaded once.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from _hf_tiny import hf_generate  # noqa: E402
 
 from hybridkv.engine.engine import EngineConfig  # noqa: E402
 from hybridkv.engine.llm import LLM  # noqa: E402
-from hybridkv.engine.models import load_model  # noqa: E402
 from hybridkv.scheduler import SamplingParams  # noqa: E402
 
 NEW = 8
@@ -62,9 +61,8 @@ def test_cli_streams_gemma_text_and_one_summary_line():
 
 
 @pytest.fixture(scope="module")
-def gemma_llm(gemma_gguf):
-    model = load_model(gemma_gguf)
-    return lambda hybrid: LLM(model, EngineConfig(
+def gemma_llm(our_gemma):
+    return lambda hybrid: LLM(our_gemma, EngineConfig(
         block_size=16, num_blocks=450, max_model_len=2048, max_num_batched_tokens=512, hybrid=hybrid))
 
 
@@ -88,8 +86,8 @@ def test_gemma_long_prompt_hybrid_and_no_hybrid_equal_transformers(gemma_llm, hf
     assert hs.peak_bytes < fs.peak_bytes and hs.kv_bytes_per_request < fs.kv_bytes_per_request
 
 
-def test_smollm_chat_through_llm_equals_transformers(smollm_gguf, hf_smollm, hf_smollm_tokenizer):
-    llm = LLM(load_model(smollm_gguf), EngineConfig(block_size=16, num_blocks=64, max_model_len=512))
+def test_smollm_chat_through_llm_equals_transformers(our_smollm, hf_smollm, hf_smollm_tokenizer):
+    llm = LLM(our_smollm, EngineConfig(block_size=16, num_blocks=64, max_model_len=512))
     chat = [{"role": "user", "content": "What is the capital of Germany?"}]
     want_ids = hf_smollm_tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
     want_ids = list(want_ids["input_ids"] if hasattr(want_ids, "keys") else want_ids)

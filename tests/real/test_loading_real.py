@@ -27,32 +27,11 @@ from _hf_tiny import hf_generate  # noqa: E402
 
 from hybridkv.checkpoint import GGUFFile, read_model_config  # noqa: E402
 from hybridkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from hybridkv.engine.models import load_model  # noqa: E402
 from hybridkv.scheduler import SamplingParams  # noqa: E402
 
 NEW = 16
 #: fp32 logits of ours vs HF generate's (measured 2.7e-4, 3.7e-4, 7.6e-5 for A, B, C)
 LOGIT_TOL = 1e-3
-
-
-@pytest.fixture(scope="session")
-def real_cache(tmp_path_factory):
-    """A private tensor cache for the session: every load here is a cold (dequantizing) one."""
-    folder = tmp_path_factory.mktemp("hybridkv-cache")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HYBRIDKV_CACHE_DIR", str(folder))
-    yield folder
-    mp.undo()
-
-
-@pytest.fixture(scope="session")
-def our_gemma(gemma_gguf, real_cache):
-    return load_model(gemma_gguf)
-
-
-@pytest.fixture(scope="session")
-def our_smollm(smollm_gguf, real_cache):
-    return load_model(smollm_gguf)
 
 
 def _assert_same_state(ours, hf):
