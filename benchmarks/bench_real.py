@@ -1,0 +1,302 @@
+"""Speed on a real model: hybridkv's engine vs transformers and llama.cpp, Gemma 3 270M, 32 concurrent requests.
+
+    PYTHONPATH=src python3 benchmarks/bench_real.py [--quick] [--rounds N] [--threads N] [--lanes a,b,...]
+    PYTHONPATH=src /work/.venv-llamacpp/bin/python benchmarks/bench_real.py      # with the llama.cpp lanes
+
+llama.cpp is a benchmark-only environment (``llama-cpp-python`` built from source; never a
+dependency, never in CI); its set-up is in ``benchmarks/_real_env.py`` and is printed when
+the bindings are absent, in which case the llama.cpp lanes are skipped.
+
+Workload (seeded): 32 requests that all arrive at once, prompts of 32..1,500 tokens
+(log-uniform: many short, a few long, several past Gemma's 512-token window), each a
+slice of the tokenized docstrings of the Python standard library at a random offset,
+BOS first; outputs of 16..128 tokens, greedy, EOS ignored, so every lane generates
+exactly the same number of tokens per request. ``--quick``: 4 requests of 32..200
+prompt tokens, 4..8 outputs, 1 round (a smoke run).
+
+Lanes (all in this process, ``--threads`` for torch and llama.cpp alike, default 2):
+
+* ``ours``: ``LLMEngine`` on the GGUF (hybridkv dequantizes it to fp32), all requests
+  added, then ``step()`` until done: continuous batching, chunked prefill (2,048 tokens
+  per step), prefix caching on (the prompts share nothing). A fresh engine per round,
+  built before the clock starts.
+* ``hf-batch``: transformers ``generate`` (fp32 from the same GGUF, ``sdpa``), the
+  requests left-padded into batches of ``--hf-batch`` (default 32: one batch) in arrival
+  order; a batch generates its longest output count for every row (HF has no per-row
+  length), the extra tokens are dropped.
+* ``hf-single``: the same model, one unpadded ``generate`` per request, in order.
+* ``llama-batch``: llama.cpp's continuous batching through its C API (one context, a
+  KV sequence per request, 2,048-token batches; see ``_real_env.LlamaCppBatched``).
+* ``llama-single``: ``llama_cpp.Llama.generate`` per request, in order.
+
+hybridkv and transformers compute in fp32 on weights dequantized from Q4_K_M (the same
+numbers); llama.cpp computes on the quantized weights with its own kernels (Q4_K/Q6_K
+dot products, f16 KV), about 7x fewer weight bytes per token: its tokens are compared
+but not required to agree. Time to first token counts from the lane's start (every
+request arrives then), so a sequential lane's late requests wait for the earlier ones.
+Lanes run in an order rotated round by round; per round and lane the ratio of its total
+time to ours (= our tokens/s over its tokens/s), and the median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _real_env import (  # noqa: E402
+    LaneRun,
+    LlamaCppBatched,
+    LlamaCppSequential,
+    Workload,
+    corpus_text,
+    gemma_gguf,
+    import_llama_cpp,
+    make_workload,
+    use_repo_src,
+)
+
+use_repo_src()
+
+import safetensors.torch  # noqa: E402
+import torch  # noqa: E402
+import transformers as tf  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
+
+from hybridkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from hybridkv.engine.models import load_model  # noqa: E402
+from hybridkv.scheduler import SamplingParams  # noqa: E402
+
+LANES = ("ours", "hf-batch", "hf-single", "llama-batch", "llama-single")
+FULL = dict(n=32, prompt_range=(32, 1500), out_range=(16, 128), rounds=3)
+QUICK = dict(n=4, prompt_range=(32, 200), out_range=(4, 8), rounds=1)
+
+
+# ------------------------------------------------------------------ ours
+def ours_engine(model) -> LLMEngine:
+    """A fresh engine (empty prefix cache) over the loaded model; built outside the timed region."""
+    return LLMEngine(model, EngineConfig(block_size=16, max_model_len=2048, max_num_seqs=64))
+
+
+def run_ours(engine: LLMEngine, w: Workload) -> LaneRun:
+    """All requests at once, then ``step()`` to the end; the first token of a request is
+    stamped when the runner returns the step that sampled it."""
+    first: dict[str, float] = {}
+    execute = engine.runner.execute
+
+    def stamped(output):
+        sampled = execute(output)
+        now = time.perf_counter()
+        for rid in sampled:
+            first.setdefault(rid, now)
+        return sampled
+
+    engine.runner.execute = stamped
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(w.prompts, w.max_tokens)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            done[o.request_id] = o
+    total = time.perf_counter() - t0
+    outs = [done[i] for i in ids]
+    if any(o.num_cached_tokens for o in outs):
+        raise SystemExit("bench_real: prefix cache hits between the prompts; the comparison would be unfair")
+    return LaneRun([list(o.output_token_ids) for o in outs], [first[i] - t0 for i in ids], total)
+
+
+# ------------------------------------------------------------------ transformers
+class _FirstToken(BaseStreamer):
+    """Stamps the moment ``generate`` hands out its first new tokens (its first ``put`` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts, self.at = 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+    """One ``generate`` of ``prompts`` left-padded (pad id 0, attention_mask); (new tokens, first-token time)."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, L]
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, L]
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    streamer = _FirstToken()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, streamer=streamer)
+    return out[:, width:].tolist(), streamer.at
+
+
+def run_hf(model, w: Workload, batch: int) -> LaneRun:
+    """Requests in arrival order, ``batch`` per ``generate`` (1: one at a time, unpadded)."""
+    tokens: list[list[int]] = []
+    ttft: list[float] = []
+    t0 = time.perf_counter()
+    for s in range(0, len(w.prompts), batch):
+        limits = w.max_tokens[s : s + batch]
+        out, first = hf_generate(model, w.prompts[s : s + batch], max(limits))
+        tokens += [row[:m] for row, m in zip(out, limits)]
+        ttft += [first - t0] * len(limits)
+    return LaneRun(tokens, ttft, time.perf_counter() - t0)
+
+
+def load_hf(path: str):
+    p = Path(path)
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        str(p.parent), gguf_file=p.name, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    model.generation_config.eos_token_id = None  # never stop early (as ignore_eos)
+    model.generation_config.pad_token_id = 0
+    for k in ("top_k", "top_p", "temperature"):  # greedy: no sampling knobs to warn about
+        setattr(model.generation_config, k, None)
+    return model
+
+
+def load_ours(path: str, hf_model):
+    """Our model from the GGUF (Part A's loader); before that loader exists, from HF's own
+    dequantized weights saved as a checkpoint directory (the same numbers)."""
+    try:
+        return load_model(path), "hybridkv's GGUF loader"
+    except Exception as exc:  # the loader reads directories only
+        print(f"(hybridkv cannot load the .gguf yet: {type(exc).__name__}; via HF's dequantized weights)")
+        with tempfile.TemporaryDirectory() as tmp:  # save_pretrained refuses a GGUF-loaded model
+            state = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}  # tied
+            safetensors.torch.save_file(state, f"{tmp}/model.safetensors")
+            config = hf_model.config.to_dict()
+            config.pop("quantization_config", None)
+            Path(tmp, "config.json").write_text(json.dumps(config))
+            return load_model(tmp), "transformers' dequantized weights, saved"
+
+
+def tokenize_corpus(path: str) -> tuple[list[int], int | None]:
+    p = Path(path)
+    tok = tf.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return tok(corpus_text(), add_special_tokens=False).input_ids, tok.bos_token_id
+
+
+# ------------------------------------------------------------------ report
+def percentile(xs: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    s = sorted(xs)
+    x = (len(s) - 1) * q
+    lo = int(x)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (x - lo)
+
+
+def agreement(name: str, mine: list[list[int]], other: list[list[int]]) -> str:
+    same = sum(a == b for a, b in zip(mine, other))
+    prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(mine, other))
+    return (f"ours == {name}: {same}/{len(mine)} sequences equal; "
+            f"{prefix}/{sum(map(len, mine))} tokens before the first divergence")
+
+
+def report(runs: dict[str, list[LaneRun]], w: Workload) -> None:
+    gen = w.output_tokens
+    ours = runs["ours"]
+    print(f"\n{'lane':<13} {'total s':>8} {'tok/s':>7} {'TTFT mean':>10} {'p50':>7} {'p99':>7}"
+          f"   {'ours/lane tok/s':>22}   {'lane/ours TTFT mean':>22}")
+    for name, rs in runs.items():
+        tot = statistics.median(r.total for r in rs)
+        mean = statistics.median(statistics.fmean(r.ttft) for r in rs)
+        p50 = statistics.median(percentile(r.ttft, 0.5) for r in rs)
+        p99 = statistics.median(percentile(r.ttft, 0.99) for r in rs)
+        speed = [r.total / o.total for r, o in zip(rs, ours)]
+        first = [statistics.fmean(r.ttft) / statistics.fmean(o.ttft) for r, o in zip(rs, ours)]
+        cells = "" if name == "ours" else (
+            f"   {statistics.median(speed):>6.2f}x ({min(speed):.2f}-{max(speed):.2f}x)"
+            f"   {statistics.median(first):>6.2f}x ({min(first):.2f}-{max(first):.2f}x)")
+        print(f"{name:<13} {tot:>8.2f} {gen / tot:>7.1f} {mean:>10.2f} {p50:>7.2f} {p99:>7.2f}{cells}")
+    print(f"(medians over {len(ours)} round(s); ratios per round, median and range; >1x: ours is faster)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smoke size: 4 short requests, 4-8 new tokens, 1 round")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads (default 2)")
+    ap.add_argument("--lanes", default=",".join(LANES), help=f"comma list of {', '.join(LANES)} (default all)")
+    ap.add_argument("--hf-batch", type=int, default=32, help="requests per HF batched generate (default 32: one batch)")
+    args = ap.parse_args()
+    lanes = [x for x in args.lanes.split(",") if x]
+    if "ours" not in lanes or any(x not in LANES for x in lanes) or args.hf_batch < 1 or args.threads < 1:
+        raise SystemExit(f"bench_real: --lanes must include ours and name only {', '.join(LANES)}; "
+                         "--hf-batch and --threads must be >= 1")
+    size = QUICK if args.quick else FULL
+    rounds = args.rounds or size["rounds"]
+    torch.set_num_threads(args.threads)
+    path = gemma_gguf()
+    llama_cpp, why = import_llama_cpp() if any(x.startswith("llama") for x in lanes) else (None, "")
+    if llama_cpp is None and why:
+        print(why)
+        lanes = [x for x in lanes if not x.startswith("llama")]
+
+    t = time.perf_counter()
+    corpus_ids, bos = tokenize_corpus(path)
+    w = make_workload(corpus_ids, bos, size["n"], size["prompt_range"], size["out_range"])
+    hf_model = load_hf(path)  # the hf lanes' model, and the reference tokens
+    ours_model, how = load_ours(path, hf_model)
+    llama = {}
+    if "llama-batch" in lanes:
+        llama["llama-batch"] = LlamaCppBatched(llama_cpp, path, w, args.threads)
+    if "llama-single" in lanes:
+        llama["llama-single"] = LlamaCppSequential(llama_cpp, path, args.threads)
+    print(f"loaded in {time.perf_counter() - t:.0f} s; ours from {how}")
+
+    lens = sorted(map(len, w.prompts))
+    print(f"Gemma 3 270M ({Path(path).name}), CPU, {args.threads} threads (torch and llama.cpp), "
+          f"torch {torch.__version__}, transformers {tf.__version__}"
+          + (f", llama-cpp-python {llama_cpp.__version__}" if llama_cpp else ""))
+    print(f"{len(w.prompts)} requests at once: prompts {lens[0]}-{lens[-1]} tokens (median {lens[len(lens) // 2]}, "
+          f"total {w.prompt_tokens}), outputs {min(w.max_tokens)}-{max(w.max_tokens)} (total {w.output_tokens}), "
+          "greedy, EOS ignored")
+    print("ours and HF: fp32 weights dequantized from Q4_K_M; llama.cpp: the quantized weights themselves "
+          f"(Q4_K/Q6_K kernels, f16 KV); HF batch {min(args.hf_batch, len(w.prompts))} left-padded per generate")
+
+    def run(name: str) -> LaneRun:
+        if name == "ours":
+            engine = ours_engine(ours_model)
+            gc.collect()
+            return run_ours(engine, w)
+        gc.collect()
+        if name.startswith("hf"):
+            return run_hf(hf_model, w, args.hf_batch if name == "hf-batch" else 1)
+        return llama[name].run(w)
+
+    warm = Workload([p[:24] for p in w.prompts[:2]], [2, 2])  # first-call costs out of the rounds
+    run_ours(ours_engine(ours_model), warm)
+    for name in lanes:
+        if name != "ours":
+            run_hf(hf_model, warm, 2) if name.startswith("hf") else llama[name].run(warm)
+
+    runs: dict[str, list[LaneRun]] = {x: [] for x in lanes}
+    for r in range(rounds):
+        for name in lanes[r % len(lanes):] + lanes[: r % len(lanes)]:
+            runs[name].append(run(name))
+        print(f"round {r}: " + "  ".join(f"{x} {w.output_tokens / runs[x][-1].total:.1f} tok/s" for x in lanes),
+              flush=True)
+    report(runs, w)
+    ours = runs["ours"][0].tokens
+    print()
+    for name in lanes:
+        if name != "ours":
+            print(agreement(name, ours, runs[name][0].tokens))
+    for lane in llama.values():
+        lane.close()
+
+
+if __name__ == "__main__":
+    main()
