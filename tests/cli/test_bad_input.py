@@ -87,6 +87,20 @@ def bad_files(tmp_path_factory, tiny_llama):
     deep = t / "deep-config"
     deep.mkdir()
     (deep / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    shutil.copy(tiny_llama / "model.safetensors", deep)  # only the config is wrong
+    # ---- text: a model with a tokenizer, one whose chat template raises, prompts files
+    from _tiny_tokenizer import write_tokenizer
+
+    for name, template in (("with-tok", None), ("raising-template", "{{ raise_exception('no chats here') }}")):
+        shutil.copytree(tiny_llama, t / name)
+        write_tokenizer(t / name, **({"template": template} if template else {}))
+    (t / "truncated.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\x05\x00")
+    (t / "not-gguf.gguf").write_bytes(b"PK\x03\x04 a zip file")
+    (t / "empty-prompts.txt").write_text("\n  \n")
+    (t / "bad-line.jsonl").write_text('{"prompt": "a"}\n\n{"prompt": "b"\n')
+    (t / "no-key.jsonl").write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    (t / "bad-messages.jsonl").write_text('{"messages": [{"role": "user"}]}\n')
+    (t / "latin1.txt").write_bytes(b"caf\xe9\n")
     return t
 
 
@@ -105,7 +119,7 @@ CASES = [
     ("trace arrival 1e12", ["simulate", "mistral-7b", "--workload", "{T}/late.jsonl"], "past the last step simulated"),
     ("num_hidden_layers 10**9", ["plan", "{T}/layers.json"], "num_hidden_layers is 1,000,000,000; more than 10,000"),
     ("num_hidden_layers 1e9", ["plan", "{T}/layers-float.json"], "num_hidden_layers must be a positive integer"),
-    ("generate 10**9 layers", ["generate", "{T}/layers.json", "--prompt-ids", "1"], "layers.json is a file; generate needs"),
+    ("generate 10**9 layers", ["generate", "{T}/layers.json", "--prompt-ids", "1"], "layers.json: not a GGUF file"),
     ("nested config", ["plan", "{T}/nested.json"], "nested.json: JSON nested too deeply"),
     ("nested config dir", ["generate", "{T}/deep-config", "--prompt-ids", "1"], "JSON nested too deeply"),
     ("nested trace", ["simulate", "mistral-7b", "--workload", "{T}/nested.jsonl"], "nested.jsonl:1: JSON nested too deeply"),
@@ -141,7 +155,7 @@ CASES = [
     ("empty config", ["plan", "{T}/empty.json"], "empty.json: not valid JSON"),
     ("binary config", ["plan", "{T}/binary.json"], "binary.json: cannot read config"),
     ("folder without config", ["generate", "{T}/no-config", "--prompt-ids", "1"], "no config.json in {T}/no-config"),
-    ("weights file as model", ["generate", "{T}/weights.bin", "--prompt-ids", "1"], "weights.bin is a file"),
+    ("weights file as model", ["generate", "{T}/weights.bin", "--prompt-ids", "1"], "weights.bin: not a GGUF file"),
     ("missing model", ["generate", "{T}/nope", "--prompt-ids", "1"], "{T}/nope does not exist"),
     ("preset as model", ["generate", "mistral-7b", "--prompt-ids", "1"], "'mistral-7b' is a plan preset"),
     ("empty trace", ["simulate", "mistral-7b", "--workload", "{T}/empty.jsonl"], "the trace holds no request"),
@@ -190,10 +204,31 @@ CASES = [
     ("prompt too long", ["generate", "{M}", "--prompt-ids", "1,2,3", "--max-model-len", "2"], "exceeds max_model_len 2"),
     ("token id huge", ["generate", "{M}", "--prompt-ids", str(10**30)], "token ids must be ints in [0, 128)"),
     ("prompt ids empty", ["generate", "{M}", "--prompt-ids", " , "], "--prompt-ids needs at least one token id"),
-    ("text mode small vocab", ["generate", "{M}", "--prompt", "héllo"], "text mode needs a vocabulary of >= 256 ids"),
+    ("text mode small vocab", ["generate", "{M}", "--prompt", "héllo"], "a text prompt needs a tokenizer"),
     # ---- probed: missing / unknown options and commands
-    ("no prompt", ["generate", "{M}"], "give at least one --prompt-ids or --prompt"),
-    ("missing model arg", ["generate"], "the following arguments are required: MODEL_DIR"),
+    ("no prompt", ["generate", "{M}"], "give at least one --prompt, --prompts-file or --prompt-ids"),
+    ("missing model arg", ["generate"], "the following arguments are required: MODEL"),
+    # ---- issue 11: real models, text
+    ("unknown model name", ["generate", "gemma-9-1b", "--prompt", "hi"], "gemma-9-1b does not exist; give an installed model"),
+    ("truncated gguf", ["generate", "{T}/truncated.gguf", "--prompt", "hi"], "truncated.gguf"),
+    ("not a gguf", ["generate", "{T}/not-gguf.gguf", "--prompt", "hi"], "not-gguf.gguf: not a GGUF file"),
+    ("template raises", ["generate", "{T}/raising-template", "--chat", "--prompt", "hi"], "no chats here"),
+    ("text prompt too long", ["generate", "{T}/with-tok", "--prompt", "hello world", "--max-model-len", "8"],
+     "prompt of 13 tokens exceeds max_model_len 8"),
+    ("empty prompts file", ["generate", "{T}/with-tok", "--prompts-file", "{T}/empty-prompts.txt"], "holds no prompt"),
+    ("missing prompts file", ["generate", "{T}/with-tok", "--prompts-file", "{T}/nope.txt"], "nope.txt"),
+    ("bad JSONL line", ["generate", "{T}/with-tok", "--prompts-file", "{T}/bad-line.jsonl"],
+     "bad-line.jsonl:3: not a JSON object"),
+    ("JSONL without prompt", ["generate", "{T}/with-tok", "--prompts-file", "{T}/no-key.jsonl"],
+     'no-key.jsonl:2: expected an object with "prompt" or "messages"'),
+    ("JSONL bad messages", ["generate", "{T}/with-tok", "--prompts-file", "{T}/bad-messages.jsonl"],
+     'bad-messages.jsonl:1: "messages" must be a list'),
+    ("prompts file not UTF-8", ["generate", "{T}/with-tok", "--prompts-file", "{T}/latin1.txt"], "not UTF-8 text"),
+    ("system without chat", ["generate", "{T}/with-tok", "--prompt", "hi", "--system", "x"], "--system needs --chat"),
+    ("chat with ids", ["generate", "{T}/with-tok", "--chat", "--prompt-ids", "1"], "--chat takes text prompts"),
+    ("ids and text", ["generate", "{T}/with-tok", "--prompt", "a", "--prompt-ids", "1"], "not both"),
+    ("empty stop", ["generate", "{T}/with-tok", "--prompt", "a", "--stop", ""], "stop must be non-empty strings"),
+    ("stop without tokenizer", ["generate", "{M}", "--prompt-ids", "1", "--stop", "x"], "a stop string needs a tokenizer"),
     ("missing value", ["plan", "mistral-7b", "--memory"], "argument --memory: expected one argument"),
     ("unknown option", ["plan", "mistral-7b", "--bogus"], "hybridkv plan: error: unrecognized arguments: --bogus"),
     ("unknown command", ["bogus"], "invalid choice: 'bogus'"),

@@ -82,10 +82,13 @@ def _output_errors():
         raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
 
 
-def write_out(text: str) -> None:
-    """``text`` and a newline on stdout; a failed write raises :class:`OutputError`."""
+def write_out(text: str, end: str = "\n", flush: bool = False) -> None:
+    """``text`` and ``end`` on stdout (``flush``: now, for streamed text); a failed write
+    raises :class:`OutputError`."""
     with _output_errors():
-        sys.stdout.write(text + "\n")
+        sys.stdout.write(text + end)
+        if flush:
+            sys.stdout.flush()
 
 
 def _flush_out() -> None:

@@ -1,5 +1,9 @@
-"""``generate``'s checks of a model directory, run before torch loads anything.
+"""``generate``'s checks of a model argument, run before torch loads anything.
 
+:func:`resolve_model_source` takes an installed model's name (``gemma-3-270m``), a
+``.gguf`` file, a model directory or its ``config.json``, and checks what it can
+without torch: a GGUF file's header, tensor extents and architecture (a truncated
+file is one GGUFFormatError line), a directory's config and weight files.
 :func:`resolve_model_dir` takes what ``plan`` takes for a checkpoint on disk: the
 directory, or its ``config.json``. :func:`check_weight_files` says what is wrong
 with which weight file (a broken link, a folder, an empty or truncated file) where
@@ -21,12 +25,47 @@ import os
 from pathlib import Path
 from typing import Iterable
 
+from hybridkv.checkpoint import (
+    INSTALLED_MODELS,
+    GGUFFile,
+    ModelSource,
+    checkpoint_files,
+    hf_config_from_gguf,
+    installed_model_path,
+)
 from hybridkv.errors import InvalidArgumentError, WeightLoadError
 from hybridkv.planner.presets import find_preset
 
-__all__ = ["resolve_model_dir", "check_weight_files"]
+__all__ = ["resolve_model_source", "check_gguf_file", "resolve_model_dir", "check_weight_files"]
 
 _WANTED = "a model directory (config.json + *.safetensors) or its config.json"
+_WANTED_ANY = f"an installed model ({', '.join(INSTALLED_MODELS)}), a .gguf file, {_WANTED}"
+
+
+def check_gguf_file(path: Path) -> None:
+    """GGUFFormatError for a file that is not a complete GGUF file, UnknownArchitectureError for
+    an architecture hybridkv cannot run (reads the header only: ~0.3 s for Gemma 3 270M)."""
+    gguf = GGUFFile.open(path)
+    hf_config_from_gguf(gguf.metadata, [t.name for t in gguf.tensors])
+
+
+def resolve_model_source(text: str) -> ModelSource:
+    """The model ``text`` names, checked (see the module docstring): an installed name, a GGUF
+    file, else a model directory (as :func:`resolve_model_dir`) whose weight files are checked."""
+    key = text.strip().lower()
+    if key in INSTALLED_MODELS:
+        path, sha256 = installed_model_path(key)
+        check_gguf_file(path)
+        return ModelSource("gguf", path, key, sha256)
+    path = Path(text)
+    if path.is_file() and path.name != "config.json":  # GGUF, or a file that is not a model
+        check_gguf_file(path)
+        return ModelSource("gguf", path, text)
+    if not path.exists() and find_preset(text) is None:
+        raise InvalidArgumentError(f"{path} does not exist; give {_WANTED_ANY}")
+    model_dir = resolve_model_dir(text)
+    check_weight_files(checkpoint_files(model_dir))
+    return ModelSource("dir", model_dir, text)
 
 
 def resolve_model_dir(text: str) -> Path:

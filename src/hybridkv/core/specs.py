@@ -144,6 +144,21 @@ class KVCacheSpec:
         """Most earlier tokens one token attends to (window / chunk); None: unbounded (full)."""
         return None
 
+    def covers(self, other: "KVCacheSpec") -> bool:
+        """True when a layer whose own spec is ``other`` may keep its KV in a group of this
+        spec: this spec never frees a block that layer's attention still reads.
+
+        The one rule for mixing attention types in a group (the runner asks it; the
+        ``--no-hybrid`` layout puts every layer in full groups). Full covers every kind;
+        sliding window W covers any layer reading at most W keys back (sliding w <= W,
+        chunked c <= W: a chunk reaches at most c - 1 tokens back); chunked C covers
+        chunked c when C is a multiple of c (each c-chunk lies inside one C-chunk), and a
+        layer that reads only its own key (window or chunk 1).
+        Full in sliding 512: False; sliding 512 in full: True; chunked 256 in chunked
+        8192: True; chunked 8192 in chunked 256: False.
+        """
+        raise NotImplementedError
+
     def max_num_tokens(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
         """Most tokens of one request this layer holds at once (see :meth:`max_num_blocks`)."""
         raise NotImplementedError
@@ -188,6 +203,9 @@ class FullAttentionSpec(KVCacheSpec):
 
     kind: ClassVar[str] = "full_attention"
 
+    def covers(self, other: KVCacheSpec) -> bool:
+        return True
+
     def max_num_tokens(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
         return max_model_len
 
@@ -220,6 +238,10 @@ class SlidingWindowSpec(KVCacheSpec):
     @property
     def attention_span(self) -> int:
         return self.sliding_window
+
+    def covers(self, other: KVCacheSpec) -> bool:
+        span = other.attention_span
+        return span is not None and span <= self.sliding_window
 
     def max_num_tokens(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
         return min(self.sliding_window - 1 + _budget(max_model_len, max_num_batched_tokens), max_model_len)
@@ -254,6 +276,10 @@ class ChunkedLocalAttentionSpec(KVCacheSpec):
     @property
     def attention_span(self) -> int:
         return self.attention_chunk_size
+
+    def covers(self, other: KVCacheSpec) -> bool:
+        span = other.attention_span  # a layer reading only its own key (span 1) fits any group
+        return span == 1 or (other.kind == self.kind and self.attention_chunk_size % span == 0)
 
     def max_num_tokens(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
         return min(self.attention_chunk_size - 1 + _budget(max_model_len, max_num_batched_tokens), max_model_len)

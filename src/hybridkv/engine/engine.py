@@ -11,6 +11,17 @@ A request stops at the model's EOS ids (``config.json`` and ``generation_config.
 ``eos_token_id``) and at its ``stop_token_ids``; ``SamplingParams(ignore_eos=True)``
 keeps only the latter.
 
+``EngineConfig(hybrid=False)`` keeps every layer's KV as full attention (the planner's
+all-full layout, ``--no-hybrid``): only the cache layout changes, each layer still
+attends within its own window / chunk, so the outputs are the same.
+
+Streaming: :meth:`LLMEngine.step_deltas` returns, per request that advanced in the
+step, its new token ids and (when it finished) its :class:`RequestOutput`;
+:meth:`LLMEngine.step` returns only the finished ones. :meth:`LLMEngine.abort_request`
+ends a request at once, freeing its blocks. :meth:`LLMEngine.kv_summary` reports
+blocks in use per group, prefix hits, preemptions and KV bytes per request against
+the all-full layout (:mod:`hybridkv.engine.kv_summary`).
+
 Bad input is refused before any state changes: token ids outside the vocabulary,
 empty prompts and prompts longer than ``max_model_len`` raise typed errors from
 ``add_request``; a pool too small for a request raises ``PoolTooSmallError`` there.
@@ -19,6 +30,7 @@ empty prompts and prompts longer than ``max_model_len`` raise typed errors from
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -28,18 +40,21 @@ import torch
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheManagerConfig, KVCacheConfig, KVCacheGroup
 from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation
+from hybridkv.engine.kv_summary import KVSummary, UsageTracker, kv_bytes_per_request
 from hybridkv.engine.model_runner import PagedModelRunner
 from hybridkv.engine.models import load_model
 from hybridkv.engine.models.base import CausalLM
-from hybridkv.errors import InvalidArgumentError, InvalidConfigError
+from hybridkv.errors import InvalidArgumentError, InvalidConfigError, UnknownRequestError
+from hybridkv.planner.architectures import model_layers
 from hybridkv.planner.grouping import Grouping, group_layers
+from hybridkv.planner.plan import full_attention_grouping
 from hybridkv.planner.sizes import parse_bytes
 from hybridkv.scheduler.config import SchedulerConfig
 from hybridkv.scheduler.interface import SamplingParams
 from hybridkv.scheduler.scheduler import Scheduler
-from hybridkv.scheduler.sequence import FinishReason
+from hybridkv.scheduler.sequence import FinishReason, Sequence as Seq
 
-__all__ = ["EngineConfig", "LLMEngine", "RequestOutput"]
+__all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestDelta"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,22 +74,63 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     debug_checks: bool = False  # check every KV write for null-block slots
+    hybrid: bool = True  # False: every layer's KV kept as full attention (the all-full layout)
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise InvalidConfigError("give num_blocks or kv_cache_memory, not both")
+        if not isinstance(self.hybrid, bool):
+            raise InvalidConfigError(f"hybrid must be a bool, got {self.hybrid!r}")
+        if not self.hybrid and self.group_size is not None:
+            raise InvalidConfigError("group_size applies to the hybrid layout; with hybrid off all layers are one group")
 
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """A finished request."""
+    """A finished request. Times are ``time.perf_counter()`` seconds."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
-    finish_reason: str
+    finish_reason: str  # "stop", "length" or "aborted"
     num_cached_tokens: int
     num_preemptions: int
+    arrival_time: float = 0.0
+    first_token_time: float | None = None  # None: aborted before its first token
+    finished_time: float = 0.0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDelta:
+    """What one request did in one step: the tokens it gained (vLLM's delta output) and,
+    if it finished in the step, its :class:`RequestOutput`."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    output: RequestOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self.output is None else self.output.finish_reason
+
+
+class _Progress:
+    """The engine's bookkeeping of a live request: when it came, first token, tokens reported."""
+
+    __slots__ = ("arrival_time", "first_token_time", "reported")
+
+    def __init__(self, arrival_time: float) -> None:
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.reported = 0
 
 
 class LLMEngine:
@@ -91,15 +147,21 @@ class LLMEngine:
                 f"{m.max_position_embeddings:,}"
             )
         self.max_model_len = config.max_model_len or m.max_position_embeddings
-        specs = m.kv_cache_specs(config.block_size, dtype=config.dtype)
         memory = self._kv_cache_memory = None if config.kv_cache_memory is None else parse_bytes(config.kv_cache_memory)
-        self.grouping: Grouping = group_layers(
-            specs,
-            self.max_model_len,
-            group_size=config.group_size,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            memory_bytes=memory,
-        )
+        #: the layers as the planner reads them (the specs of the hybrid layout)
+        self.layers = model_layers(m.config, family=m.family, block_size=config.block_size, dtype=config.dtype)
+        budget = config.max_num_batched_tokens
+        #: every layer as full attention: the ``hybrid=False`` layout and the figure it is compared with
+        self.full_grouping: Grouping = full_attention_grouping(self.layers, self.max_model_len, budget)
+        self.grouping: Grouping = self.full_grouping
+        if config.hybrid:
+            self.grouping = group_layers(
+                self.layers.specs,
+                self.max_model_len,
+                group_size=config.group_size,
+                max_num_batched_tokens=budget,
+                memory_bytes=memory,
+            )
         num_blocks = self._num_blocks()
         # before any per-block state exists: a huge pool is refused, not built for minutes
         check_allocation(num_blocks * self.grouping.bytes_per_block, config.device, f"a KV cache of {num_blocks:,} blocks")
@@ -130,11 +192,12 @@ class LLMEngine:
             device=config.device,
             debug=config.debug_checks,
         )
-        self.runner = PagedModelRunner(m, self.storage, seed=config.seed)
+        self.runner = PagedModelRunner(m, self.storage, seed=config.seed, group_specs=[g.spec for g in self.grouping.groups])
         #: where requests stop unless they ask ``ignore_eos`` (config.json + generation_config.json)
         self.eos_token_ids: tuple[int, ...] = m.eos_token_ids
         self._ids = itertools.count()
-        self._outputs: dict[str, RequestOutput] = {}
+        self._progress: dict[str, _Progress] = {}
+        self._usage = UsageTracker((g.spec for g in self.grouping.groups), (len(g.layers) for g in self.grouping.groups))
 
     def _num_blocks(self) -> int:
         """The pool: as given, or what ``kv_cache_memory`` holds, or by default room for
@@ -154,7 +217,7 @@ class LLMEngine:
     def add_request(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
-        """Queue a prompt; returns its request id."""
+        """Queue a prompt; returns its request id. Bad input raises before anything is queued."""
         prompt = list(prompt_token_ids)
         vocab = self.model.vocab_size
         bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
@@ -162,30 +225,77 @@ class LLMEngine:
             raise InvalidArgumentError(f"token ids must be ints in [0, {vocab}); got {bad[:5]}")
         if not prompt:
             raise InvalidArgumentError("the prompt is empty")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise InvalidArgumentError(f"sampling must be a SamplingParams, got {sampling!r:.60}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if not isinstance(rid, str):
+            raise InvalidArgumentError(f"a request id must be a str, got {rid!r:.60}")
         self.scheduler.add_request(rid, prompt, (sampling or SamplingParams()).with_eos(self.eos_token_ids))
+        self._progress[rid] = _Progress(time.perf_counter())
         return rid
+
+    def abort_request(self, request_id: str) -> RequestOutput:
+        """End a queued or running request now (its blocks freed at once); its output so far,
+        finish reason ``"aborted"``. An id that is not queued or running: UnknownRequestError."""
+        seq = self.scheduler.sequences.get(request_id) if isinstance(request_id, str) else None
+        if seq is None:
+            raise UnknownRequestError(f"request {request_id!r} is not queued or running")
+        self.scheduler.abort_request(request_id)
+        return self._output(seq, time.perf_counter())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def _output(self, seq: Seq, now: float) -> RequestOutput:
+        """The finished ``seq``'s output; forgets its progress."""
+        r = seq.request
+        progress = self._progress.pop(r.request_id)
+        return RequestOutput(
+            r.request_id,
+            tuple(r.all_token_ids[: r.num_prompt_tokens]),
+            tuple(r.output_token_ids),
+            (seq.finish_reason or FinishReason.LENGTH).value,
+            seq.num_cached_tokens,
+            seq.num_preemptions,
+            progress.arrival_time,
+            progress.first_token_time,
+            now,
+        )
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """One scheduler step through the model: per request that gained tokens (or finished)
+        in it, the new token ids and, if it finished, its output (in schedule order)."""
+        sched = self.scheduler
+        output = sched.schedule()
+        for sr in output.scheduled:  # admitted this step: count its prefix hit once
+            seq = sched.sequences[sr.request_id]
+            if seq.admitted_step == output.step:
+                self._usage.prefix_hit_tokens += seq.num_cached_tokens
+        self._usage.sample(self.kv, (s.request_id for s in sched.running))  # this step's slots allocated
+        sampled = self.runner.execute(output) if output.scheduled else {}
+        finished = {seq.request_id: seq for seq in sched.update_from_output(output, sampled)}
+        now = time.perf_counter()
+        deltas = []
+        for sr in output.scheduled:
+            if not sr.sample:
+                continue
+            seq = finished.get(sr.request_id) or sched.sequences.get(sr.request_id)
+            if seq is None:
+                continue
+            progress = self._progress[sr.request_id]
+            ids = seq.request.output_token_ids
+            new = tuple(ids[progress.reported :])
+            if new and progress.first_token_time is None:
+                progress.first_token_time = now
+            progress.reported = len(ids)
+            done = self._output(seq, now) if sr.request_id in finished else None
+            if new or done is not None:
+                deltas.append(RequestDelta(sr.request_id, new, done))
+        return deltas
+
     def step(self) -> list[RequestOutput]:
         """One scheduler step through the model; the requests that finished in it."""
-        _, finished = self.scheduler.step(self.runner)
-        out = []
-        for seq in finished:
-            r = seq.request
-            ro = RequestOutput(
-                r.request_id,
-                tuple(r.all_token_ids[: r.num_prompt_tokens]),
-                tuple(r.output_token_ids),
-                (seq.finish_reason or FinishReason.LENGTH).value,
-                seq.num_cached_tokens,
-                seq.num_preemptions,
-            )
-            self._outputs[r.request_id] = ro
-            out.append(ro)
-        return out
+        return [d.output for d in self.step_deltas() if d.output is not None]
 
     def generate(
         self,
@@ -193,7 +303,8 @@ class LLMEngine:
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         max_steps: int = 1_000_000,
     ) -> list[RequestOutput]:
-        """Run prompts to completion (batched through the scheduler); outputs in prompt order."""
+        """Run prompts to completion (batched through the scheduler); outputs in prompt order.
+        Requests added before (``add_request``) run along; their outputs are not returned."""
         prompts = [list(p) for p in prompts]
         if isinstance(sampling, SamplingParams) or sampling is None:
             params = [sampling or SamplingParams()] * len(prompts)
@@ -202,13 +313,35 @@ class LLMEngine:
             if len(params) != len(prompts):
                 raise InvalidArgumentError(f"{len(params)} sampling params for {len(prompts)} prompts")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        outputs: dict[str, RequestOutput] = {}
         steps = 0
         while self.has_unfinished_requests():
             if steps >= max_steps:
                 raise InvalidArgumentError(f"not finished after {max_steps} steps")
-            self.step()
+            outputs.update((o.request_id, o) for o in self.step())
             steps += 1
-        return [self._outputs.pop(rid) for rid in ids]
+        return [outputs[rid] for rid in ids]
+
+    # ------------------------------------------------------------------ stats
+    def kv_summary(self, num_tokens: int | None = None) -> KVSummary:
+        """Blocks in use per group (now and peak), prefix-hit tokens and preemptions since the
+        engine started, and the KV bytes of one request of ``num_tokens`` (default
+        ``max_model_len``) in this layout and in the all-full one."""
+        n = self.max_model_len if num_tokens is None else num_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= self.max_model_len:
+            raise InvalidArgumentError(f"num_tokens must be an int in [1, {self.max_model_len}], got {n!r}")
+        u = self._usage
+        return KVSummary(
+            hybrid=self.config.hybrid,
+            groups=u.groups(u.count(self.kv, (s.request_id for s in self.scheduler.running))),
+            bytes_per_block=self.grouping.bytes_per_block,
+            peak_blocks=u.peak_total,
+            prefix_hit_tokens=u.prefix_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_tokens=n,
+            kv_bytes_per_request=kv_bytes_per_request(self.grouping, n),
+            full_kv_bytes_per_request=kv_bytes_per_request(self.full_grouping, n),
+        )
 
     @property
     def last_logits(self) -> dict[str, torch.Tensor]:

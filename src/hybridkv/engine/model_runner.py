@@ -16,8 +16,11 @@ the :class:`PagedKVStorage`. A step:
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
+from hybridkv.core.specs import KVCacheSpec
 from hybridkv.engine.attention import AttentionMetadata
 from hybridkv.engine.host import long_tensor
 from hybridkv.engine.kv_storage import PagedKVStorage
@@ -29,10 +32,50 @@ from hybridkv.scheduler.interface import SchedulerOutput
 __all__ = ["PagedModelRunner"]
 
 
-class PagedModelRunner:
-    """A :class:`~hybridkv.scheduler.interface.ModelRunner` over a model and its paged KV."""
+def _check_group_specs(
+    model: CausalLM, storage: PagedKVStorage, group_specs: Sequence[KVCacheSpec] | None
+) -> tuple[KVCacheSpec, ...]:
+    """Each group's spec; every layer of a group must be covered by it
+    (:meth:`~hybridkv.core.specs.KVCacheSpec.covers`: the group frees no key the layer reads).
+    Without ``group_specs`` a group's spec is its layers' one spec (they must agree)."""
+    own = model.kv_cache_specs(storage.block_size)
+    if group_specs is None:
+        group_specs = []
+        for g, layers in enumerate(storage.groups):
+            kinds = {model.attention_type(i) for i in layers}
+            if len(kinds) != 1:
+                raise InvalidConfigError(
+                    f"KV cache group {g} mixes attention types {sorted(k.as_tuple() for k in kinds)}; "
+                    "give the group's spec (group_specs) if one covers them all"
+                )
+            group_specs.append(own[layers[0]])
+    group_specs = tuple(group_specs)
+    if len(group_specs) != len(storage.groups):
+        raise InvalidConfigError(f"{len(group_specs)} group specs for {len(storage.groups)} KV cache groups")
+    for g, (spec, layers) in enumerate(zip(group_specs, storage.groups)):
+        for i in layers:
+            if not spec.covers(own[i]):
+                raise InvalidConfigError(
+                    f"KV cache group {g} ({spec.type_id}) frees keys that layer {i} "
+                    f"({model.attention_type(i).as_tuple()}) attends to"
+                )
+    return group_specs
 
-    def __init__(self, model: CausalLM, storage: PagedKVStorage, seed: int = 0) -> None:
+
+class PagedModelRunner:
+    """A :class:`~hybridkv.scheduler.interface.ModelRunner` over a model and its paged KV.
+
+    ``group_specs[g]`` is the spec group ``g``'s blocks are managed by; a group may hold
+    layers of other attention types that spec covers (all-full ``--no-hybrid`` layout).
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        storage: PagedKVStorage,
+        seed: int = 0,
+        group_specs: Sequence[KVCacheSpec] | None = None,
+    ) -> None:
         if set(storage.layer_to_group_position) != set(range(model.num_layers)):
             raise InvalidConfigError(
                 f"the KV storage covers layers {sorted(storage.layer_to_group_position)}, "
@@ -43,10 +86,7 @@ class PagedModelRunner:
                 f"KV storage is {storage.num_kv_heads} heads x {storage.head_size}, "
                 f"the model needs {model.num_kv_heads} x {model.head_dim}"
             )
-        for g, layers in enumerate(storage.groups):
-            kinds = {model.attention_type(i) for i in layers}
-            if len(kinds) != 1:
-                raise InvalidConfigError(f"KV cache group {g} mixes attention types {sorted(k.as_tuple() for k in kinds)}")
+        self.group_specs = _check_group_specs(model, storage, group_specs)
         self.model = model
         self.storage = storage
         self.sampler = Sampler(seed)

@@ -14,7 +14,9 @@ llama-3.1-8b    meta-llama/Llama-3.1-8B             32 full
 ==============  ==================================  ======================================
 
 :func:`load_model_config` takes a preset name, a Hugging Face repository id of a
-preset, a path to a ``config.json``, or a directory that contains one.
+preset, a path to a ``config.json``, or a directory that contains one; an installed
+model's name (``gemma-3-270m``) or a ``.gguf`` file gets the config
+:mod:`hybridkv.checkpoint` builds from its metadata.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ def _load_preset(preset: Preset) -> ModelSource:
 
 
 def load_model_config(source: str | Path) -> ModelSource:
-    """Read a config: a preset name first, else a file, else ``<dir>/config.json``.
+    """Read a config: a preset name first, else an installed model or a GGUF file, else a
+    ``config.json`` or ``<dir>/config.json``.
 
     Raises :class:`InvalidConfigError` naming the path when it is missing, unreadable or
     not a JSON object; a missing name lists the presets.
@@ -106,12 +109,20 @@ def load_model_config(source: str | Path) -> ModelSource:
         preset = find_preset(source)
         if preset is not None:
             return _load_preset(preset)
+    from hybridkv.checkpoint import INSTALLED_MODELS, looks_like_gguf, read_model_config, resolve_model
+
     path = Path(source)
+    if (isinstance(source, str) and source.strip().lower() in INSTALLED_MODELS) or (
+        path.is_file() and looks_like_gguf(path)
+    ):
+        checkpoint = resolve_model(source)
+        return ModelSource(read_model_config(checkpoint), checkpoint.config_label)
     if path.is_dir():
         path = path / "config.json"
     if not path.exists():
         raise InvalidConfigError(
-            f"{str(source)!r} is neither a config.json file nor a preset; presets: {', '.join(PRESETS)}"
+            f"{str(source)!r} is neither a config.json file nor a preset; presets: {', '.join(PRESETS)}; "
+            f"or a .gguf file, or an installed model: {', '.join(INSTALLED_MODELS)}"
         )
     try:
         text = path.read_text(encoding="utf-8")

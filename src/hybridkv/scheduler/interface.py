@@ -28,7 +28,10 @@ class SamplingParams:
     ``stop_token_ids`` (kept in the output, as vLLM and HF do). The scheduler knows no
     model, so it stops only at ``stop_token_ids``; the engine adds the model's EOS ids
     (:meth:`with_eos`) unless ``ignore_eos`` is set, which leaves ``stop_token_ids``
-    in force (vLLM's defaults and meaning).
+    in force (vLLM's defaults and meaning). ``stop`` strings end a request when its
+    decoded text contains one; the text front (:class:`hybridkv.engine.llm.LLM`) applies
+    them and leaves the stop string out of the text (vLLM's meaning); the scheduler
+    and engine, which see token ids only, ignore them.
     """
 
     max_tokens: int = 16
@@ -38,6 +41,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -52,6 +56,14 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop):
             raise InvalidArgumentError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", stop)
+        strings = (self.stop,) if isinstance(self.stop, str) else self.stop
+        try:
+            strings = tuple(strings)
+        except TypeError:
+            strings = (None,)
+        if any(not isinstance(t, str) or not t for t in strings):
+            raise InvalidArgumentError(f"stop must be non-empty strings, got {self.stop!r:.80}")
+        object.__setattr__(self, "stop", tuple(dict.fromkeys(strings)))
 
     @property
     def greedy(self) -> bool:

@@ -1,8 +1,9 @@
 """Model families for HF checkpoints, one module each, and the registry that picks one.
 
-``load_model(model_dir)`` reads ``config.json``, picks the class by
-``architectures[0]`` (falling back to ``model_type``) and loads the safetensors
-weights by HF name. Each class serves one planner family
+``load_model(source)`` takes a model directory, a ``.gguf`` file or an installed model's
+name (``gemma-3-270m``, see :mod:`hybridkv.checkpoint`), reads its config (``config.json``
+or the GGUF metadata), picks the class by ``architectures[0]`` (falling back to
+``model_type``) and loads the weights by HF name. Each class serves one planner family
 (:data:`~hybridkv.planner.architectures.FAMILIES`), whose names select it: a
 multimodal ``Gemma3ForConditionalGeneration`` / ``Llama4ForConditionalGeneration``
 checkpoint loads its language model.
@@ -21,7 +22,8 @@ from hybridkv.engine.models.llama4 import Llama4ForCausalLM
 from hybridkv.engine.models.mistral import MistralForCausalLM
 from hybridkv.engine.models.qwen2 import Qwen2ForCausalLM
 from hybridkv.engine.models.qwen3 import Qwen3ForCausalLM
-from hybridkv.engine.models.weights import read_config
+from hybridkv.checkpoint.config import as_model_source, read_model_config
+from hybridkv.checkpoint.installed import ModelSource
 from hybridkv.errors import UnknownArchitectureError
 
 __all__ = [
@@ -71,7 +73,11 @@ def model_class_for(config: Mapping[str, Any]) -> type[CausalLM]:
     )
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu", prepack: bool = True) -> CausalLM:
-    """Build the model of ``model_dir`` and load its weights (``prepack``: CausalLM.prepack_weights)."""
-    config = read_config(model_dir)
-    return model_class_for(config).from_config(config, model_dir, dtype=dtype, device=device, prepack=prepack)
+def load_model(
+    source: str | Path | ModelSource, dtype: str = "float32", device: str = "cpu", prepack: bool = True
+) -> CausalLM:
+    """Build the model of ``source`` (a directory, a .gguf file, a name) and load its weights
+    (``prepack``: CausalLM.prepack_weights)."""
+    source = as_model_source(source)
+    config = read_model_config(source)
+    return model_class_for(config).from_config(config, source, dtype=dtype, device=device, prepack=prepack)

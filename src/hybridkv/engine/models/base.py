@@ -30,7 +30,9 @@ from hybridkv.engine.attention import AttentionMetadata, AttentionType
 from hybridkv.engine.kv_storage import torch_dtype
 from hybridkv.engine.models.linear import Linear
 from hybridkv.engine.models.rope import RotaryEmbedding
-from hybridkv.engine.models.weights import eos_token_ids, language_model_weight_name, load_weights, read_config
+from hybridkv.checkpoint.config import as_model_source, read_model_config
+from hybridkv.checkpoint.installed import ModelSource
+from hybridkv.engine.models.weights import checkpoint_tensors, eos_token_ids, language_model_weight_name, load_weights
 from hybridkv.errors import InvalidConfigError
 from hybridkv.planner.architectures import ModelLayers, family_named, language_model_config, model_layers
 from hybridkv.planner.hf_defaults import DEFAULT_MAX_POSITION_EMBEDDINGS
@@ -192,6 +194,8 @@ class CausalLM(nn.Module):
         #: from_pretrained / from_config add generation_config.json's)
         self.eos_token_ids: tuple[int, ...] = eos_token_ids(self.config)
         self.rotaries: dict[str, RotaryEmbedding] = {}
+        #: where the weights came from (set by :meth:`from_config`; None for a model built bare)
+        self.source: ModelSource | None = None
         self.model: nn.Module
         self.lm_head: nn.Linear
 
@@ -205,33 +209,37 @@ class CausalLM(nn.Module):
     @classmethod
     def from_pretrained(
         cls,
-        model_dir: str | Path,
+        source: str | Path | ModelSource,
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
         prepack: bool = True,
     ) -> "CausalLM":
-        """Build from ``model_dir/config.json`` and load its safetensors by HF name."""
-        return cls.from_config(read_config(model_dir), model_dir, dtype=dtype, device=device, prepack=prepack)
+        """Build from ``source``'s config (``config.json`` or GGUF metadata) and load its weights by HF name."""
+        source = as_model_source(source)
+        return cls.from_config(read_model_config(source), source, dtype=dtype, device=device, prepack=prepack)
 
     @classmethod
     def from_config(
         cls,
         config: Mapping[str, Any],
-        model_dir: str | Path,
+        source: str | Path | ModelSource,
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
         prepack: bool = True,
     ) -> "CausalLM":
-        """Build, load the weights, fuse q/k/v and gate/up; ``prepack``: see :meth:`prepack_weights`.
+        """Build, load the weights of ``source`` (a model directory, a .gguf file, an installed
+        model's name), fuse q/k/v and gate/up; ``prepack``: see :meth:`prepack_weights`.
 
         A multimodal checkpoint (``text_config`` in ``config``) loads its language model only:
         see :func:`~hybridkv.engine.models.weights.language_model_weight_name`.
         """
-        label = f"{Path(model_dir) / 'config.json'}"
+        source = as_model_source(source)
+        label = source.config_label
         multimodal = config.get("text_config") is not None
         model_layers(config, family=cls.family, label=label)  # errors name the file's keys (text_config.x)
         config = language_model_config(config, family=cls.family, label=label)
-        eos = eos_token_ids(config, model_dir)  # a bad generation_config.json fails before the load
+        # a bad generation_config.json fails before the load; a GGUF file's ids are in its config
+        eos = eos_token_ids(config, source.path if source.kind == "dir" else None)
         with torch.device("meta"):
             model = cls(config, label=label)
         model = model.to_empty(device=device).to(torch_dtype(dtype))
@@ -239,10 +247,14 @@ class CausalLM(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         model._init_buffers()
         tied = {"lm_head.weight": "model.embed_tokens.weight"} if model.tie_word_embeddings else {}
-        load_weights(model, model_dir, tied=tied, rename=language_model_weight_name if multimodal else None)
+        rename = language_model_weight_name if multimodal else None
+        skip = (lambda name: rename(name) is None) if rename is not None else None
+        tensors = checkpoint_tensors(source, config, skip=skip)
+        load_weights(model, tensors, label=str(source.path), tied=tied, rename=rename)
         model.fuse_weights()
         model.prepack_weights(prepack)
         model.eos_token_ids = eos
+        model.source = source
         return model.eval().requires_grad_(False)
 
     def _init_buffers(self) -> None:

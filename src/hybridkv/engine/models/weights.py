@@ -1,4 +1,9 @@
-"""Reading an HF checkpoint directory: ``config.json``, the EOS ids, and safetensors weights.
+"""Tensor sources and the one strict consumer, :func:`load_weights`.
+
+A tensor source yields ``(name, tensor)`` pairs by the checkpoint's HF names: a model
+directory's safetensors (:func:`safetensors_tensors`), a GGUF file's dequantized and
+renamed tensors (:mod:`~hybridkv.engine.models.gguf_weights`), or their disk cache.
+Also here: a directory's ``config.json`` and its EOS ids.
 
 Weights are matched to a module's ``state_dict()`` by their HF names. Every tensor
 of the checkpoint must be used and every parameter must be found; anything else is
@@ -14,30 +19,34 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
+from hybridkv.checkpoint.model_dir import checkpoint_files, read_config_json
+from hybridkv.checkpoint.installed import ModelSource
 from hybridkv.errors import InvalidConfigError, WeightLoadError
 
-__all__ = ["read_config", "eos_token_ids", "checkpoint_files", "language_model_weight_name", "load_weights"]
+__all__ = [
+    "read_config",
+    "eos_token_ids",
+    "checkpoint_files",
+    "language_model_weight_name",
+    "safetensors_tensors",
+    "checkpoint_tensors",
+    "load_weights",
+    "NamedTensors",
+]
+
+#: what a tensor source yields: (the checkpoint's name for it, the tensor)
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 _MAX_LISTED = 12
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
-    """The parsed ``config.json`` of ``model_dir``."""
-    path = Path(model_dir) / "config.json"
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise InvalidConfigError(f"no config.json in {model_dir}") from None
-    except json.JSONDecodeError as exc:
-        raise InvalidConfigError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise InvalidConfigError(f"{path}: expected a JSON object")
-    return config
+    """The parsed ``config.json`` of ``model_dir`` (see :func:`hybridkv.checkpoint.read_config_json`)."""
+    return read_config_json(model_dir)
 
 
 def _token_ids(value: Any, where: str) -> list[int]:
@@ -65,26 +74,6 @@ def eos_token_ids(config: dict[str, Any], model_dir: str | Path | None = None) -
             raise InvalidConfigError(f"{path}: expected a JSON object")
         ids += _token_ids(generation.get("eos_token_id"), "generation_config.json")
     return tuple(dict.fromkeys(ids))
-
-
-def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of ``model_dir``: the sharded index's files, or all ``*.safetensors``."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise WeightLoadError(f"{index}: malformed safetensors index ({exc})") from None
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.exists()]
-        if missing:
-            raise WeightLoadError(f"shards named by {index} are missing: {missing}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise WeightLoadError(f"no *.safetensors files in {model_dir}")
-    return files
 
 
 #: where multimodal checkpoints keep the language model -> the text model's names. transformers
@@ -130,29 +119,11 @@ def _listing(names: Iterable[str]) -> str:
     return shown
 
 
-def load_weights(
-    module: torch.nn.Module,
-    model_dir: str | Path,
-    tied: dict[str, str] | None = None,
-    dtype: torch.dtype | None = None,
-    rename: Callable[[str], str | None] | None = None,
-) -> None:
-    """Copy the checkpoint of ``model_dir`` into ``module``'s parameters by name.
-
-    ``tied`` maps a parameter that may be absent to the one it shares storage with
-    (``{"lm_head.weight": "model.embed_tokens.weight"}``); the module must already
-    tie them. ``rename`` maps a checkpoint name to the parameter's (None: skip the
-    tensor). Raises WeightLoadError for unknown, missing, misshaped or repeated tensors
-    (messages name the checkpoint's tensors as the file does).
-    """
+def safetensors_tensors(model_dir: str | Path, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of ``model_dir``'s safetensors files, by their stored names (``skip(name)``:
+    not read at all, e.g. a multimodal checkpoint's vision tower)."""
     from safetensors import safe_open
 
-    tied = tied or {}
-    params = module.state_dict(keep_vars=True)
-    seen: set[str] = set()
-    unknown: list[str] = []
-    misshaped: list[str] = []
-    repeated: list[str] = []
     for path in checkpoint_files(model_dir):
         try:
             handle = safe_open(str(path), framework="pt")
@@ -160,23 +131,71 @@ def load_weights(
             raise WeightLoadError(f"cannot read {path}: {exc}") from None
         with handle as f:
             for stored in f.keys():
-                name = rename(stored) if rename is not None else stored
-                if name is None:
-                    continue
-                target = params.get(name)
-                if target is None:
-                    unknown.append(stored)
-                    continue
-                if name in seen:  # two layouts of one tensor in one checkpoint
-                    repeated.append(stored)
-                    continue
-                tensor = f.get_tensor(stored)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    misshaped.append(f"{stored} {tuple(tensor.shape)} != expected {tuple(target.shape)}")
-                    continue
-                with torch.no_grad():
-                    target.data.copy_(tensor.to(dtype or target.dtype))
-                seen.add(name)
+                if skip is None or not skip(stored):
+                    yield stored, f.get_tensor(stored)
+
+
+def checkpoint_tensors(
+    source: ModelSource, config: Mapping[str, Any], skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensor source of ``source``: its safetensors, or its GGUF file's tensors converted to HF's
+    names and layouts (through the disk cache, see :mod:`~hybridkv.engine.models.tensor_cache`)."""
+    if source.kind == "dir":
+        yield from safetensors_tensors(source.path, skip)
+        return
+    from hybridkv.checkpoint.gguf_file import GGUFFile
+    from hybridkv.engine.models import gguf_weights, tensor_cache
+
+    gguf = GGUFFile.open(source.path)
+    gguf_weights.check_quant_types(gguf)  # before the cache is consulted: the file decides
+    folder = tensor_cache.cache_dir()
+    if folder is None:
+        yield from gguf_weights.gguf_tensors(gguf, config)
+        return
+    sha256 = source.sha256 or tensor_cache.file_sha256(source.path, folder)
+    plan = [(name, shape) for name, shape, _ in gguf_weights.gguf_weight_plan(gguf)]
+    yield from tensor_cache.cached_tensors(sha256, plan, lambda: gguf_weights.gguf_tensors(gguf, config), folder)
+
+
+def load_weights(
+    module: torch.nn.Module,
+    tensors: NamedTensors,
+    label: str,
+    tied: dict[str, str] | None = None,
+    dtype: torch.dtype | None = None,
+    rename: Callable[[str], str | None] | None = None,
+) -> None:
+    """Copy ``tensors`` (a tensor source: safetensors, GGUF, a cache) into ``module``'s parameters by name.
+
+    ``tied`` maps a parameter that may be absent to the one it shares storage with
+    (``{"lm_head.weight": "model.embed_tokens.weight"}``); the module must already
+    tie them. ``rename`` maps a checkpoint name to the parameter's (None: skip the
+    tensor). Raises WeightLoadError for unknown, missing, misshaped or repeated tensors
+    (messages name the checkpoint's tensors as the source does, prefixed by ``label``).
+    """
+    tied = tied or {}
+    params = module.state_dict(keep_vars=True)
+    seen: set[str] = set()
+    unknown: list[str] = []
+    misshaped: list[str] = []
+    repeated: list[str] = []
+    for stored, tensor in tensors:
+        name = rename(stored) if rename is not None else stored
+        if name is None:
+            continue
+        target = params.get(name)
+        if target is None:
+            unknown.append(stored)
+            continue
+        if name in seen:  # two layouts of one tensor in one checkpoint
+            repeated.append(stored)
+            continue
+        if tuple(tensor.shape) != tuple(target.shape):
+            misshaped.append(f"{stored} {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+            continue
+        with torch.no_grad():
+            target.data.copy_(tensor.to(dtype or target.dtype))
+        seen.add(name)
     missing = [n for n in params if n not in seen and not (n in tied and tied[n] in seen)]
     problems = []
     if unknown:
@@ -188,4 +207,4 @@ def load_weights(
     if repeated:
         problems.append(f"tensors stored twice: {_listing(repeated)}")
     if problems:
-        raise WeightLoadError(f"{model_dir}: " + "; ".join(problems))
+        raise WeightLoadError(f"{label}: " + "; ".join(problems))

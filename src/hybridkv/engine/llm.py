@@ -1,0 +1,286 @@
+"""The text front: prompts as text or chat messages in, text out, over :class:`LLMEngine`.
+
+    llm = LLM("gemma-3-270m")                                   # a name, a .gguf file or a model dir
+    [out] = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+    out.text, out.finish_reason, out.time_to_first_token
+    for delta in llm.stream([[{"role": "user", "content": "Hi"}]], SamplingParams(stop=("\\n",))):
+        print(delta.text, end="", flush=True)
+
+A prompt is a ``str`` (encoded with the tokenizer's special tokens: Gemma's BOS), a chat
+(a list of ``{"role", "content"}`` dicts, rendered with the tokenizer's chat template and
+encoded with ``add_special_tokens=False``, as transformers' ``apply_chat_template``), or a
+list of token ids. The tokenizer comes from the checkpoint (GGUF metadata, or the model
+directory's ``tokenizer.json``); a directory without tokenizer files gets the byte-level
+:class:`~hybridkv.tokenizer.ByteTokenizer` when its vocabulary holds 256 ids, else none
+(token-id prompts only). A tokenizer with ids past the model's vocabulary is refused
+at construction (:class:`~hybridkv.errors.TokenizerError`).
+
+Text is detokenized incrementally (multi-byte characters and SentencePiece spaces come
+out whole); ``SamplingParams.stop`` strings are matched on that text: the stop string and
+what follows it are left out, the request is aborted in the engine at once (its blocks
+freed) and finishes with ``"stop"``, as in vLLM. Requests stop at the model's EOS ids and
+the tokenizer's (vLLM's rule) unless ``ignore_eos``. Bad prompts (empty, too long for
+the model, a template that raises) raise typed errors before any request is queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence, Union
+
+from hybridkv.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from hybridkv.engine.models.base import CausalLM
+from hybridkv.errors import InvalidArgumentError, TokenizerError
+from hybridkv.scheduler.interface import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "TextDelta", "Prompt", "checkpoint_tokenizer", "encode_prompt"]
+
+#: text, chat messages, or token ids
+Prompt = Union[str, Sequence[Mapping[str, Any]], Sequence[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One prompt's result. ``text`` ends before a matched stop string; ``token_ids`` are
+    every sampled token (the stop token of a ``stop_token_ids`` stop included)."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" (EOS, a stop token or a stop string), "length" or "aborted"
+    num_cached_tokens: int
+    num_preemptions: int
+    time_to_first_token: float | None  # seconds from add to first token; None: no token
+    stop_reason: str | int | None = None  # the matched stop string, or the stop token id
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """What one prompt produced in one engine step: new text (possibly empty, while a
+    multi-byte character or a possible stop string is held back) and new token ids;
+    ``output`` is set in the prompt's last delta."""
+
+    index: int  # the prompt's position in the call
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    output: CompletionOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None
+
+
+def checkpoint_tokenizer(source: Any, model_vocab_size: int):
+    """The tokenizer a checkpoint carries: GGUF metadata, or ``tokenizer.json`` in the model
+    directory; byte-level for a directory without one when the model has >= 256 ids; else None."""
+    from hybridkv import tokenizer as tk
+
+    kind = getattr(source, "kind", None)
+    if kind == "gguf":
+        from hybridkv.checkpoint.gguf_file import GGUFFile
+
+        return tk.tokenizer_from_gguf(GGUFFile.open(source.path).metadata)
+    if kind == "dir":
+        if (Path(source.path) / "tokenizer.json").is_file():
+            return tk.load_tokenizer(source.path)
+    if model_vocab_size >= 256:
+        return tk.ByteTokenizer(vocab_size=model_vocab_size)
+    return None
+
+
+def _need_tokenizer(tokenizer: Any, what: str, vocab_size: int):
+    if tokenizer is None:
+        raise TokenizerError(
+            f"{what} needs a tokenizer; the model has none (no tokenizer.json or GGUF vocabulary, and "
+            f"{vocab_size} ids < 256 for the byte-level one): give token ids"
+        )
+    return tokenizer
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt, vocab_size: int) -> list[int]:
+    """A prompt's token ids: text encoded with special tokens, chat messages rendered with the
+    chat template and encoded without, token ids as given (the engine checks them).
+    ``vocab_size`` (the model's) only words the error when there is no tokenizer."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidArgumentError("a prompt is empty")
+        return _need_tokenizer(tokenizer, "a text prompt", vocab_size).encode(prompt)
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+        raise InvalidArgumentError(f"a prompt is a str, a list of chat messages or of token ids; got {prompt!r:.60}")
+    items = list(prompt)
+    if not items:
+        raise InvalidArgumentError("a prompt is empty")
+    if not any(isinstance(m, Mapping) for m in items):
+        return items  # token ids
+    for i, m in enumerate(items):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InvalidArgumentError(f"chat message {i} needs a str 'role' and 'content', got {m!r:.80}")
+    tok = _need_tokenizer(tokenizer, "a chat prompt", vocab_size)
+    text = tok.apply_chat_template([dict(m) for m in items], add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    if not ids:
+        raise InvalidArgumentError("the chat template rendered an empty prompt")
+    return ids
+
+
+class _Stream:
+    """One request's text state: incremental detokenizer, stop-string matcher, output so far."""
+
+    __slots__ = ("index", "rid", "prompt", "detok", "stops", "text", "stop_string")
+
+    def __init__(self, index: int, rid: str, prompt: list[int], tokenizer: Any, sampling: SamplingParams) -> None:
+        from hybridkv import tokenizer as tk
+
+        self.index, self.rid, self.prompt = index, rid, prompt
+        self.detok = None if tokenizer is None else tk.IncrementalDetokenizer(tokenizer, prompt)
+        self.stops = tk.StopStringMatcher(sampling.stop) if sampling.stop and tokenizer is not None else None
+        self.text: list[str] = []
+        self.stop_string: str | None = None
+
+    def feed(self, ids: Sequence[int], last: bool) -> tuple[str, bool]:
+        """New text for ``ids`` (``last``: the request's final ids, flush what is held back);
+        True when a stop string matched (the text ends before it)."""
+        if self.detok is None:
+            return "", False
+        vocab = self.detok.tokenizer.vocab_size  # a model may have more rows than its tokenizer ids: no text
+        new = self.detok.add([i for i in ids if i < vocab])
+        if last:
+            new += self.detok.flush()
+        stopped = False
+        if self.stops is not None:
+            new, stopped = self.stops.feed(new)
+            if stopped:
+                self.stop_string = self.stops.stop
+            elif last:
+                new += self.stops.flush()
+        self.text.append(new)
+        return new, stopped
+
+
+class LLM:
+    """Text in, text out on one :class:`LLMEngine` (see the module docstring)."""
+
+    def __init__(self, model: Any, config: EngineConfig = EngineConfig(), tokenizer: Any = None) -> None:
+        source = model
+        if isinstance(model, (str, Path)):
+            from hybridkv.checkpoint.installed import resolve_model
+
+            source = resolve_model(str(model))
+        self.engine = LLMEngine(source, config)
+        self.model: CausalLM = self.engine.model
+        vocab = self.model.vocab_size
+        if tokenizer is None:
+            tokenizer = checkpoint_tokenizer(getattr(self.model, "source", None) or source, vocab)
+        if tokenizer is not None:
+            from hybridkv.tokenizer import check_vocab
+
+            check_vocab(tokenizer, vocab)
+        #: None: the model has no tokenizer (token-id prompts only)
+        self.tokenizer = tokenizer
+        eos = () if tokenizer is None else tuple(tokenizer.eos_token_ids)
+        #: ids that end a request unless it asks ``ignore_eos``: the model's and the tokenizer's
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(self.engine.eos_token_ids + eos))
+
+    # ---------------------------------------------------------------- prompts
+    def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids (see :func:`encode_prompt`)."""
+        return encode_prompt(self.tokenizer, prompt, self.model.vocab_size)
+
+    def _tokenizer(self, what: str):
+        return _need_tokenizer(self.tokenizer, what, self.model.vocab_size)
+
+    def _sampling(self, sampling: SamplingParams | None) -> SamplingParams:
+        sp = sampling or SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise InvalidArgumentError(f"sampling must be a SamplingParams, got {sp!r:.60}")
+        if sp.stop:
+            self._tokenizer("a stop string")
+        return sp.with_eos(self.eos_token_ids)
+
+    # ---------------------------------------------------------------- running
+    def stream(
+        self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Iterator[TextDelta]:
+        """Run ``prompts`` batched; an iterator of each prompt's new text as the engine produces it.
+
+        Every prompt is encoded and queued now, before the iterator is returned: a bad one
+        raises here and none stays queued. Closing the iterator early aborts the prompts
+        still running.
+        """
+        prompts = [prompts] if isinstance(prompts, (str, bytes)) else list(prompts)
+        if not prompts:
+            raise InvalidArgumentError("no prompts")
+        if isinstance(sampling, SamplingParams) or sampling is None:
+            params = [self._sampling(sampling)] * len(prompts)
+        else:
+            params = [self._sampling(s) for s in sampling]
+            if len(params) != len(prompts):
+                raise InvalidArgumentError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        encoded = [self.encode(p) for p in prompts]  # every template / tokenizer error before any request
+        streams: dict[str, _Stream] = {}
+        try:
+            for i, (ids, sp) in enumerate(zip(encoded, params)):
+                rid = self.engine.add_request(ids, sp)
+                streams[rid] = _Stream(i, rid, ids, self.tokenizer, sp)
+        except BaseException:
+            for rid in streams:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(streams)
+
+    def _run(self, streams: dict[str, _Stream]) -> Iterator[TextDelta]:
+        try:
+            while streams:
+                if not self.engine.has_unfinished_requests():  # pragma: no cover - the engine lost a request
+                    raise InvalidArgumentError(f"requests {sorted(streams)} ended without output")
+                for d in self.engine.step_deltas():
+                    s = streams.get(d.request_id)
+                    if s is None:
+                        continue  # a request someone else added to the engine
+                    text, stopped = s.feed(d.new_token_ids, d.finished)
+                    out = d.output
+                    if stopped and out is None:  # stop it now: its blocks go back before the next step
+                        out = self.engine.abort_request(d.request_id)
+                    if out is not None:
+                        del streams[d.request_id]
+                        yield TextDelta(s.index, s.rid, text, d.new_token_ids, self._completion(s, out, stopped))
+                    elif text or d.new_token_ids:
+                        yield TextDelta(s.index, s.rid, text, d.new_token_ids)
+        finally:
+            for rid in streams:  # the caller stopped early (or an error): free what still runs
+                self.engine.abort_request(rid)
+
+    def generate(
+        self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[CompletionOutput]:
+        """Run ``prompts`` batched to the end; one output per prompt, in prompt order."""
+        outputs: dict[int, CompletionOutput] = {}
+        for delta in self.stream(prompts, sampling):
+            if delta.output is not None:
+                outputs[delta.index] = delta.output
+        return [outputs[i] for i in range(len(outputs))]
+
+    def _completion(self, s: _Stream, out: RequestOutput, stopped: bool) -> CompletionOutput:
+        reason, stop_reason = out.finish_reason, None
+        if stopped:
+            reason, stop_reason = "stop", s.stop_string
+        elif reason == "stop" and out.output_token_ids:
+            stop_reason = out.output_token_ids[-1]
+        return CompletionOutput(
+            request_id=out.request_id,
+            text="".join(s.text),
+            token_ids=out.output_token_ids,
+            prompt_token_ids=out.prompt_token_ids,
+            finish_reason=reason,
+            num_cached_tokens=out.num_cached_tokens,
+            num_preemptions=out.num_preemptions,
+            time_to_first_token=out.time_to_first_token,
+            stop_reason=stop_reason,
+        )
+
+    def __repr__(self) -> str:
+        return f"LLM({getattr(self.model, 'source', None) or type(self.model).__name__}, hybrid={self.engine.config.hybrid})"
+
