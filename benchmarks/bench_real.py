@@ -42,10 +42,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -64,15 +62,17 @@ from _real_env import (  # noqa: E402
 
 use_repo_src()
 
-import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 import transformers as tf  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
+from hybridkv.checkpoint.gguf_file import GGUFFile  # noqa: E402
 from hybridkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from hybridkv.engine.models import load_model  # noqa: E402
 from hybridkv.scheduler import SamplingParams  # noqa: E402
+from hybridkv.tokenizer import tokenizer_from_gguf  # noqa: E402
 
+KV_MEMORY = "512MiB"  # our pool (fp32 KV): the full workload's peak needs ~210 MiB, never preempts
 LANES = ("ours", "hf-batch", "hf-single", "llama-batch", "llama-single")
 FULL = dict(n=32, prompt_range=(32, 1500), out_range=(16, 128), rounds=3)
 QUICK = dict(n=4, prompt_range=(32, 200), out_range=(4, 8), rounds=1)
@@ -81,23 +81,12 @@ QUICK = dict(n=4, prompt_range=(32, 200), out_range=(4, 8), rounds=1)
 # ------------------------------------------------------------------ ours
 def ours_engine(model) -> LLMEngine:
     """A fresh engine (empty prefix cache) over the loaded model; built outside the timed region."""
-    return LLMEngine(model, EngineConfig(block_size=16, max_model_len=2048, max_num_seqs=64))
+    return LLMEngine(model, EngineConfig(block_size=16, max_model_len=2048, max_num_seqs=64, kv_cache_memory=KV_MEMORY))
 
 
 def run_ours(engine: LLMEngine, w: Workload) -> LaneRun:
-    """All requests at once, then ``step()`` to the end; the first token of a request is
-    stamped when the runner returns the step that sampled it."""
-    first: dict[str, float] = {}
-    execute = engine.runner.execute
-
-    def stamped(output):
-        sampled = execute(output)
-        now = time.perf_counter()
-        for rid in sampled:
-            first.setdefault(rid, now)
-        return sampled
-
-    engine.runner.execute = stamped
+    """All requests at once, then ``step()`` to the end; a request's first token is stamped
+    by the engine at the end of the step that sampled it (``RequestOutput.first_token_time``)."""
     t0 = time.perf_counter()
     ids = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(w.prompts, w.max_tokens)]
     done = {}
@@ -106,9 +95,9 @@ def run_ours(engine: LLMEngine, w: Workload) -> LaneRun:
             done[o.request_id] = o
     total = time.perf_counter() - t0
     outs = [done[i] for i in ids]
-    if any(o.num_cached_tokens for o in outs):
-        raise SystemExit("bench_real: prefix cache hits between the prompts; the comparison would be unfair")
-    return LaneRun([list(o.output_token_ids) for o in outs], [first[i] - t0 for i in ids], total)
+    if any(o.num_cached_tokens or o.num_preemptions for o in outs):
+        raise SystemExit("bench_real: prefix cache hits or preemptions in our lane; the comparison would be unfair")
+    return LaneRun([list(o.output_token_ids) for o in outs], [o.first_token_time - t0 for o in outs], total)
 
 
 # ------------------------------------------------------------------ transformers
@@ -166,26 +155,57 @@ def load_hf(path: str):
     return model
 
 
-def load_ours(path: str, hf_model):
-    """Our model from the GGUF (Part A's loader); before that loader exists, from HF's own
-    dequantized weights saved as a checkpoint directory (the same numbers)."""
-    try:
-        return load_model(path), "hybridkv's GGUF loader"
-    except Exception as exc:  # the loader reads directories only
-        print(f"(hybridkv cannot load the .gguf yet: {type(exc).__name__}; via HF's dequantized weights)")
-        with tempfile.TemporaryDirectory() as tmp:  # save_pretrained refuses a GGUF-loaded model
-            state = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}  # tied
-            safetensors.torch.save_file(state, f"{tmp}/model.safetensors")
-            config = hf_model.config.to_dict()
-            config.pop("quantization_config", None)
-            Path(tmp, "config.json").write_text(json.dumps(config))
-            return load_model(tmp), "transformers' dequantized weights, saved"
-
-
 def tokenize_corpus(path: str) -> tuple[list[int], int | None]:
-    p = Path(path)
-    tok = tf.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    return tok(corpus_text(), add_special_tokens=False).input_ids, tok.bos_token_id
+    """The corpus through the GGUF's own tokenizer (hybridkv's, id for id transformers')."""
+    tok = tokenizer_from_gguf(GGUFFile.open(path).metadata)
+    return tok.encode(corpus_text(), add_special_tokens=False), tok.bos_token_id
+
+
+# ------------------------------------------------------------------ profile
+def profile_ours(model, w: Workload, top: int = 18) -> None:
+    """Where our lane's time goes: one run under cProfile (cumulative seconds of the engine's
+    phases; cProfile slows Python-heavy code, so read shares, not absolutes), then one under
+    ``torch.profiler`` (self CPU time per aten op)."""
+    import cProfile
+    import pstats
+
+    from hybridkv.engine import attention, kv_storage, model_runner, sampling
+    from hybridkv.engine.models import base, linear
+    from hybridkv.scheduler.scheduler import Scheduler
+
+    phases = {
+        "scheduler: schedule()": Scheduler.schedule,
+        "scheduler: update_from_output()": Scheduler.update_from_output,
+        "runner.execute (model + sampling)": model_runner.PagedModelRunner.execute,
+        "  AttentionMetadata.build": attention.AttentionMetadata.build,
+        "  model forward (all layers)": base.CausalLM.forward,
+        "    linears (q/k/v/o, MLP GEMMs)": linear.linear,
+        "    paged_attention (write+gather+attend)": attention.paged_attention,
+        "      KV write": kv_storage.PagedKVStorage.write,
+        "      KV gather": kv_storage.PagedKVStorage.gather,
+        "      attend: manual (decode)": attention._attend_manual,
+        "      attend: sdpa (prefill)": attention._attend_sdpa,
+        "    RMSNorm": base.RMSNorm.forward,
+        "  compute_logits (lm_head 640x262144)": type(model).compute_logits,
+        "  sampler (argmax over 262144)": sampling.Sampler.sample_rows,
+    }
+    engine = ours_engine(model)
+    prof = cProfile.Profile()
+    prof.enable()
+    run = run_ours(engine, w)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    print(f"\nprofile of ours (cProfile), one run: {run.total:.2f} s wall, {w.output_tokens} tokens")
+    for label, fn in phases.items():
+        code = fn.__code__
+        cc, nc, tt, ct, _ = stats.get((code.co_filename, code.co_firstlineno, code.co_name), (0, 0, 0.0, 0.0, None))
+        print(f"  {label:<42} {ct:>7.2f} s  {100 * ct / run.total:>5.1f} %  ({nc} calls)")
+
+    engine = ours_engine(model)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+        run = run_ours(engine, w)
+    print(f"\nprofile of ours (torch.profiler), one run: {run.total:.2f} s wall; top aten ops by self CPU time")
+    print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=40))
 
 
 # ------------------------------------------------------------------ report
@@ -229,9 +249,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads (default 2)")
     ap.add_argument("--lanes", default=",".join(LANES), help=f"comma list of {', '.join(LANES)} (default all)")
+    ap.add_argument("--profile", action="store_true", help="profile our lane (cProfile, torch.profiler) instead of timing")
     ap.add_argument("--hf-batch", type=int, default=32, help="requests per HF batched generate (default 32: one batch)")
     args = ap.parse_args()
-    lanes = [x for x in args.lanes.split(",") if x]
+    lanes = ["ours"] if args.profile else [x for x in args.lanes.split(",") if x]
     if "ours" not in lanes or any(x not in LANES for x in lanes) or args.hf_batch < 1 or args.threads < 1:
         raise SystemExit(f"bench_real: --lanes must include ours and name only {', '.join(LANES)}; "
                          "--hf-batch and --threads must be >= 1")
@@ -247,14 +268,14 @@ def main() -> None:
     t = time.perf_counter()
     corpus_ids, bos = tokenize_corpus(path)
     w = make_workload(corpus_ids, bos, size["n"], size["prompt_range"], size["out_range"])
-    hf_model = load_hf(path)  # the hf lanes' model, and the reference tokens
-    ours_model, how = load_ours(path, hf_model)
+    hf_model = load_hf(path) if any(x.startswith("hf") for x in lanes) else None
+    ours_model = load_model(path)
     llama = {}
     if "llama-batch" in lanes:
         llama["llama-batch"] = LlamaCppBatched(llama_cpp, path, w, args.threads)
     if "llama-single" in lanes:
         llama["llama-single"] = LlamaCppSequential(llama_cpp, path, args.threads)
-    print(f"loaded in {time.perf_counter() - t:.0f} s; ours from {how}")
+    print(f"loaded in {time.perf_counter() - t:.0f} s")
 
     lens = sorted(map(len, w.prompts))
     print(f"Gemma 3 270M ({Path(path).name}), CPU, {args.threads} threads (torch and llama.cpp), "
@@ -266,11 +287,15 @@ def main() -> None:
     print("ours and HF: fp32 weights dequantized from Q4_K_M; llama.cpp: the quantized weights themselves "
           f"(Q4_K/Q6_K kernels, f16 KV); HF batch {min(args.hf_batch, len(w.prompts))} left-padded per generate")
 
+    kv: list = []  # our engine's KV summary after its first timed run
+
     def run(name: str) -> LaneRun:
         if name == "ours":
             engine = ours_engine(ours_model)
             gc.collect()
-            return run_ours(engine, w)
+            result = run_ours(engine, w)
+            kv.append(engine.kv_summary())
+            return result
         gc.collect()
         if name.startswith("hf"):
             return run_hf(hf_model, w, args.hf_batch if name == "hf-batch" else 1)
@@ -282,13 +307,18 @@ def main() -> None:
         if name != "ours":
             run_hf(hf_model, warm, 2) if name.startswith("hf") else llama[name].run(warm)
 
+    if args.profile:
+        return profile_ours(ours_model, w)
     runs: dict[str, list[LaneRun]] = {x: [] for x in lanes}
     for r in range(rounds):
         for name in lanes[r % len(lanes):] + lanes[: r % len(lanes)]:
             runs[name].append(run(name))
+            print(f"  {name}: {runs[name][-1].total:.1f} s", flush=True)
         print(f"round {r}: " + "  ".join(f"{x} {w.output_tokens / runs[x][-1].total:.1f} tok/s" for x in lanes),
               flush=True)
     report(runs, w)
+    print(f"ours: KV peak {kv[0].peak_bytes / 2**20:.0f} MiB (fp32, hybrid layout) in a {KV_MEMORY} pool, "
+          f"{kv[0].num_preemptions} preemptions, {kv[0].prefix_hit_tokens} prefix-hit tokens")
     ours = runs["ours"][0].tokens
     print()
     for name in lanes:
