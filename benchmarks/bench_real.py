@@ -1,6 +1,7 @@
 """Speed on a real model: hybridkv's engine vs transformers and llama.cpp, Gemma 3 270M, 32 concurrent requests.
 
     PYTHONPATH=src python3 benchmarks/bench_real.py [--quick] [--rounds N] [--threads N] [--lanes a,b,...]
+                                                    [--max-prompt N] [--max-output N] [--hf-batch N] [--profile]
     PYTHONPATH=src /work/.venv-llamacpp/bin/python benchmarks/bench_real.py      # with the llama.cpp lanes
 
 llama.cpp is a benchmark-only environment (``llama-cpp-python`` built from source; never a
@@ -11,15 +12,18 @@ Workload (seeded): 32 requests that all arrive at once, prompts of 32..1,500 tok
 (log-uniform: many short, a few long, several past Gemma's 512-token window), each a
 slice of the tokenized docstrings of the Python standard library at a random offset,
 BOS first; outputs of 16..128 tokens, greedy, EOS ignored, so every lane generates
-exactly the same number of tokens per request. ``--quick``: 4 requests of 32..200
-prompt tokens, 4..8 outputs, 1 round (a smoke run).
+exactly the same number of tokens per request (2 rounds). ``--max-prompt`` /
+``--max-output`` shrink the lengths (a lighter run on a busy machine); ``--quick``: 4
+requests of 32..200 prompt tokens, 4..8 outputs, 1 round (a smoke run). ``--profile``:
+our lane only, once under cProfile (the engine's phases) and once under torch.profiler
+(aten ops), instead of the rounds.
 
 Lanes (all in this process, ``--threads`` for torch and llama.cpp alike, default 2):
 
 * ``ours``: ``LLMEngine`` on the GGUF (hybridkv dequantizes it to fp32), all requests
   added, then ``step()`` until done: continuous batching, chunked prefill (2,048 tokens
-  per step), prefix caching on (the prompts share nothing). A fresh engine per round,
-  built before the clock starts.
+  per step), a 512 MiB KV pool, prefix caching on (the prompts share nothing; a hit or a
+  preemption aborts the run). A fresh engine per round, built before the clock starts.
 * ``hf-batch``: transformers ``generate`` (fp32 from the same GGUF, ``sdpa``), the
   requests left-padded into batches of ``--hf-batch`` (default 32: one batch) in arrival
   order; a batch generates its longest output count for every row (HF has no per-row
@@ -34,7 +38,10 @@ numbers); llama.cpp computes on the quantized weights with its own kernels (Q4_K
 dot products, f16 KV), about 7x fewer weight bytes per token: its tokens are compared
 but not required to agree. Time to first token counts from the lane's start (every
 request arrives then), so a sequential lane's late requests wait for the earlier ones.
-Lanes run in an order rotated round by round; per round and lane the ratio of its total
+llama.cpp's OpenMP threads busy-wait at every barrier, so when other processes compete
+for the cores its times swing far more than torch's (seen on 2 shared cores: the same
+sequential lane 29.6 s in one round, 529 s in the next): read its ratios per round, on
+a quiet machine. Lanes run in an order rotated round by round; per round and lane the ratio of its total
 time to ours (= our tokens/s over its tokens/s), and the median over rounds.
 """
 
@@ -72,9 +79,9 @@ from hybridkv.engine.models import load_model  # noqa: E402
 from hybridkv.scheduler import SamplingParams  # noqa: E402
 from hybridkv.tokenizer import tokenizer_from_gguf  # noqa: E402
 
-KV_MEMORY = "512MiB"  # our pool (fp32 KV): the full workload's peak needs ~210 MiB, never preempts
+KV_MEMORY = "512MiB"  # our pool (fp32 KV): the full workload peaks at 375 MiB, so no preemption
 LANES = ("ours", "hf-batch", "hf-single", "llama-batch", "llama-single")
-FULL = dict(n=32, prompt_range=(32, 1500), out_range=(16, 128), rounds=3)
+FULL = dict(n=32, prompt_range=(32, 1500), out_range=(16, 128), rounds=2)
 QUICK = dict(n=4, prompt_range=(32, 200), out_range=(4, 8), rounds=1)
 
 
@@ -249,14 +256,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads (default 2)")
     ap.add_argument("--lanes", default=",".join(LANES), help=f"comma list of {', '.join(LANES)} (default all)")
+    ap.add_argument("--max-prompt", type=int, default=None, help="longest prompt (default 1500; --quick 200)")
+    ap.add_argument("--max-output", type=int, default=None, help="most new tokens (default 128; --quick 8)")
     ap.add_argument("--profile", action="store_true", help="profile our lane (cProfile, torch.profiler) instead of timing")
     ap.add_argument("--hf-batch", type=int, default=32, help="requests per HF batched generate (default 32: one batch)")
     args = ap.parse_args()
     lanes = ["ours"] if args.profile else [x for x in args.lanes.split(",") if x]
-    if "ours" not in lanes or any(x not in LANES for x in lanes) or args.hf_batch < 1 or args.threads < 1:
+    if "ours" not in lanes or any(x not in LANES for x in lanes) or min(args.hf_batch, args.threads, args.max_prompt or 2, args.max_output or 1) < 1 \
+            or (args.max_prompt or 2) < 2:
         raise SystemExit(f"bench_real: --lanes must include ours and name only {', '.join(LANES)}; "
-                         "--hf-batch and --threads must be >= 1")
-    size = QUICK if args.quick else FULL
+                         "--hf-batch, --threads, --max-output >= 1, --max-prompt >= 2")
+    size = dict(QUICK if args.quick else FULL)
+    lo_p, hi_p = size["prompt_range"]
+    lo_o, hi_o = size["out_range"]
+    size["prompt_range"] = (min(lo_p, args.max_prompt or hi_p), args.max_prompt or hi_p)
+    size["out_range"] = (min(lo_o, args.max_output or hi_o), args.max_output or hi_o)
     rounds = args.rounds or size["rounds"]
     torch.set_num_threads(args.threads)
     path = gemma_gguf()
