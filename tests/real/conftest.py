@@ -84,6 +84,34 @@ def hf_smollm_tokenizer(smollm_gguf):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def real_cache(tmp_path_factory):
+    """A private tensor / tokenizer cache for the session (``HYBRIDKV_CACHE_DIR``, inherited by
+    the CLI subprocess): the session's first load of each file is a cold, dequantizing one, the
+    rest read what it wrote, and nothing lands in the user's ~/.cache."""
+    folder = tmp_path_factory.mktemp("hybridkv-cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HYBRIDKV_CACHE_DIR", str(folder))
+    yield folder
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def our_gemma(gemma_gguf):
+    """Our Gemma3ForCausalLM from the GGUF, loaded once for every module (engines share it)."""
+    from hybridkv.engine.models import load_model
+
+    return load_model(gemma_gguf)
+
+
+@pytest.fixture(scope="session")
+def our_smollm(smollm_gguf):
+    """Our LlamaForCausalLM of SmolLM2, loaded once for every module."""
+    from hybridkv.engine.models import load_model
+
+    return load_model(smollm_gguf)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
     """One torch thread, as the engine tests (the CI machine has 2 cores, often busy)."""
     try:

@@ -151,9 +151,10 @@ def hf_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[st
         if value is not None:
             config[hf_key] = value
     for key in ("num_hidden_layers", "hidden_size"):
-        if not isinstance(config.get(key), int) or isinstance(config.get(key), bool) or config[key] <= 0:
+        value = config.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             gguf_key = next(k for k, v in spec.keys.items() if v == key)
-            raise GGUFFormatError(f"GGUF metadata {arch}.{gguf_key} must be a positive integer, got {config.get(key)!r}")
+            raise GGUFFormatError(f"GGUF metadata {arch}.{gguf_key} must be a positive integer, got {value!r}")
     if "vocab_size" not in config:  # as transformers: the tokenizer's size
         tokens = metadata.get("tokenizer.ggml.tokens")
         if isinstance(tokens, list):

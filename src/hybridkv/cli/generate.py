@@ -119,7 +119,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="gemma-3-270m, smollm2-135m, a .gguf file, or a model directory (or its config.json)")
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="text prompt, through the model's tokenizer; repeatable (default: none)")
-    p.add_argument("--chat", action="store_true", help="each prompt is a user message, rendered with the chat template")
+    p.add_argument("--chat", action="store_true", help="each prompt is a user message, rendered with the chat template (default: plain text)")
     p.add_argument("--system", metavar="TEXT", default=None, help="with --chat: a system message first (default: none)")
     p.add_argument("--prompts-file", type=Path, default=None, metavar="FILE",
                    help='one prompt per line, or JSON lines with "prompt" or "messages" (default: none)')

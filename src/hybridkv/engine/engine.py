@@ -37,6 +37,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from hybridkv.checkpoint import ModelSource
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheManagerConfig, KVCacheConfig, KVCacheGroup
 from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation
@@ -134,9 +135,10 @@ class _Progress:
 
 
 class LLMEngine:
-    """Continuous batching over a hybrid paged KV cache, on a model loaded from disk."""
+    """Continuous batching over a hybrid paged KV cache, on a loaded model or one to load (a model
+    directory, a ``.gguf`` file, an installed model's name: :func:`~hybridkv.engine.models.load_model`)."""
 
-    def __init__(self, model: str | Path | CausalLM, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: str | Path | ModelSource | CausalLM, config: EngineConfig = EngineConfig()):
         self.config = config
         self.model = model if isinstance(model, CausalLM) else load_model(model, dtype=config.dtype, device=config.device)
         m = self.model

@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from hybridkv.checkpoint.config import as_model_source, read_model_config
+from hybridkv.checkpoint.installed import ModelSource
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.models.gemma3 import Gemma3ForCausalLM
 from hybridkv.engine.models.gpt_oss import GptOssForCausalLM
@@ -22,8 +24,6 @@ from hybridkv.engine.models.llama4 import Llama4ForCausalLM
 from hybridkv.engine.models.mistral import MistralForCausalLM
 from hybridkv.engine.models.qwen2 import Qwen2ForCausalLM
 from hybridkv.engine.models.qwen3 import Qwen3ForCausalLM
-from hybridkv.checkpoint.config import as_model_source, read_model_config
-from hybridkv.checkpoint.installed import ModelSource
 from hybridkv.errors import UnknownArchitectureError
 
 __all__ = [

@@ -25,13 +25,13 @@ from typing import Any, ClassVar, Mapping
 import torch
 from torch import nn
 
+from hybridkv.checkpoint.config import as_model_source, read_model_config
+from hybridkv.checkpoint.installed import ModelSource
 from hybridkv.core.specs import KVCacheSpec
 from hybridkv.engine.attention import AttentionMetadata, AttentionType
 from hybridkv.engine.kv_storage import torch_dtype
 from hybridkv.engine.models.linear import Linear
 from hybridkv.engine.models.rope import RotaryEmbedding
-from hybridkv.checkpoint.config import as_model_source, read_model_config
-from hybridkv.checkpoint.installed import ModelSource
 from hybridkv.engine.models.weights import checkpoint_tensors, eos_token_ids, language_model_weight_name, load_weights
 from hybridkv.errors import InvalidConfigError
 from hybridkv.planner.architectures import ModelLayers, family_named, language_model_config, model_layers

@@ -98,16 +98,20 @@ def _header(plan: list[tuple[str, tuple[int, ...]]], sha256: str) -> bytes:
 
 
 def _read_cache(path: Path, plan: list[tuple[str, tuple[int, ...]]]) -> Iterator[tuple[str, torch.Tensor]] | None:
-    """The cached tensors if ``path`` holds exactly ``plan``'s names and shapes, else None (removed)."""
+    """The cached tensors if ``path`` holds exactly ``plan``'s names and shapes in fp32 (this
+    CACHE_VERSION), else None (and the file is removed)."""
     from safetensors import safe_open
 
+    want = {name: (tuple(shape), "F32") for name, shape in plan}
     try:
         handle = safe_open(str(path), framework="pt")
         with handle as f:
-            found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+            found = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()}
+            if (f.metadata() or {}).get("version") != str(CACHE_VERSION):
+                found = None
     except Exception:  # a truncated / corrupt file: safetensors raises its own types
         found = None
-    if found != dict(plan):
+    if found != want:
         try:
             path.unlink()
         except OSError:

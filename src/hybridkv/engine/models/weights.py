@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from hybridkv.checkpoint.model_dir import checkpoint_files, read_config_json
 from hybridkv.checkpoint.installed import ModelSource
+from hybridkv.checkpoint.model_dir import checkpoint_files, read_config_json
 from hybridkv.errors import InvalidConfigError, WeightLoadError
 
 __all__ = [
@@ -119,7 +119,9 @@ def _listing(names: Iterable[str]) -> str:
     return shown
 
 
-def safetensors_tensors(model_dir: str | Path, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_tensors(
+    model_dir: str | Path, skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of ``model_dir``'s safetensors files, by their stored names (``skip(name)``:
     not read at all, e.g. a multimodal checkpoint's vision tower)."""
     from safetensors import safe_open
