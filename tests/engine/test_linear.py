@@ -81,3 +81,36 @@ def test_long_tensor():
     assert long_tensor(range(4)).dtype == torch.long
     with pytest.raises(OverflowError):
         long_tensor([1 << 70])
+
+
+@pytest.mark.parametrize("forced", ["transposed", "onednn"])
+def test_decode_kernel_is_forced_by_the_environment_and_both_match_f_linear(forced, monkeypatch):
+    from hybridkv.engine.models import linear as linear_module
+
+    monkeypatch.setenv("HYBRIDKV_DECODE_GEMM", forced)
+    linear_module.decode_kernel.cache_clear()
+    try:
+        want = forced if forced == "transposed" or prepack_available() else "transposed"
+        assert linear_module.decode_kernel() == want
+        torch.manual_seed(3)
+        lin = Linear(64, 48)
+        lin.prepack()
+        for rows in (1, 7, SMALL_ROWS, SMALL_ROWS + 1):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
+        x3 = torch.randn(2, 3, 64)  # not 2-D: never the transposed copy's torch.mm
+        torch.testing.assert_close(lin(x3), F.linear(x3, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
+    finally:
+        monkeypatch.delenv("HYBRIDKV_DECODE_GEMM")
+        linear_module.decode_kernel.cache_clear()
+
+
+def test_decode_kernel_probe_picks_a_known_kernel(monkeypatch):
+    from hybridkv.engine.models import linear as linear_module
+
+    monkeypatch.setenv("HYBRIDKV_DECODE_GEMM", "no-such-kernel")  # ignored: the probe decides
+    linear_module.decode_kernel.cache_clear()
+    try:
+        assert linear_module.decode_kernel() in linear_module.DECODE_KERNELS
+    finally:
+        linear_module.decode_kernel.cache_clear()

@@ -19,6 +19,13 @@
     kernels on AMD CPUs); on par with both on the Intel machine above. Where the
     build has no oneDNN, the transposed copy serves these rows too.
 
+  Which copy serves decode-sized inputs is chosen once per process by
+  :func:`decode_kernel`: the two copies trade places by CPU. On this project's AMD EPYC
+  machines oneDNN beat the transposed copy at 8-32 rows (Gemma 3 270M's 640 x 262,144
+  output projection at 32 rows: 201 vs 352 ms; a whole 32-request benchmark ~1.25x),
+  while on the Intel machine above the transposed copy won by 25-30 %. A probe of a
+  few alternating GEMMs decides; ``HYBRIDKV_DECODE_GEMM=transposed|onednn`` forces it.
+
   Results differ from ``F.linear`` by float rounding only (another summation order;
   ~1e-6 relative). The copies cost two more weights' memory (the engine runs small
   models on CPU), and they are used only while the weight is unchanged: a weight
@@ -28,10 +35,17 @@
 
 from __future__ import annotations
 
+import functools
+import os
+import time
+
 import torch
 from torch import nn
 
-__all__ = ["Linear", "PackedWeight", "fuse_linears", "linear", "prepack_available"]
+__all__ = ["Linear", "PackedWeight", "decode_kernel", "fuse_linears", "linear", "prepack_available"]
+
+#: ``HYBRIDKV_DECODE_GEMM`` values :func:`decode_kernel` accepts
+DECODE_KERNELS = ("transposed", "onednn")
 
 _BATCH_HINT = 32  # rows oneDNN tunes the packing for; any row count works
 
@@ -42,6 +56,40 @@ SMALL_ROWS = 64
 def prepack_available() -> bool:
     """Whether this torch build can prepack linear weights for oneDNN."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+@functools.cache
+def decode_kernel() -> str:
+    """``"onednn"`` or ``"transposed"``: the copy decode-sized inputs (<= SMALL_ROWS rows) run on.
+
+    ``HYBRIDKV_DECODE_GEMM`` forces one (an unknown value is ignored). Otherwise, where
+    oneDNN prepacking works, 7 alternating timings of each on a seeded 16 x 1024 @ 1024 x
+    4096 GEMM (~1 ms each) pick oneDNN when its median is under 0.9x the transposed copy's
+    (a tie keeps the transposed copy, the measured choice on Intel). Either gives
+    ``F.linear``'s values up to float rounding; the choice only moves speed.
+    """
+    forced = os.environ.get("HYBRIDKV_DECODE_GEMM", "").strip().lower()
+    if forced in DECODE_KERNELS:
+        return forced if forced == "transposed" or prepack_available() else "transposed"
+    if not prepack_available():
+        return "transposed"
+    try:
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.randn(4096, 1024, generator=gen)  # [out, in]
+        x = torch.randn(16, 1024, generator=gen)  # [rows, in]
+        packed = PackedWeight(weight)
+        runs: dict[str, list[float]] = {"transposed": [], "onednn": []}
+        for _ in range(7):
+            t = time.perf_counter()
+            torch.mm(x, packed.transposed)
+            runs["transposed"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            torch.ops.mkldnn._linear_pointwise(x, packed.packed, None, "none", [], "")
+            runs["onednn"].append(time.perf_counter() - t)
+    except (RuntimeError, TypeError, AttributeError):
+        return "transposed"
+    median = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
+    return "onednn" if median["onednn"] < 0.9 * median["transposed"] else "transposed"
 
 
 class PackedWeight:
@@ -91,7 +139,7 @@ def linear(
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` [.., out], on a packed copy when it is current (see :class:`PackedWeight`)."""
     if packed is not None and x.dtype == torch.float32 and packed.valid_for(weight):
-        if x.dim() == 2 and (x.shape[0] <= SMALL_ROWS or packed.packed is None):
+        if x.dim() == 2 and (packed.packed is None or (x.shape[0] <= SMALL_ROWS and decode_kernel() == "transposed")):
             wt = packed.transposed
             return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
         if packed.packed is not None:
