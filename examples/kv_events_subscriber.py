@@ -15,8 +15,6 @@ Output, one line per event::
     seq 5 BlockRemoved group 1: 1 blocks
 """
 
-from __future__ import annotations
-
 import argparse
 from typing import Any
 
@@ -67,13 +65,18 @@ class KVEventBatch(EventBatch):
 
 class Subscriber:
     """A SUB socket on ``endpoint`` (and a DEALER on ``replay`` when given) that returns
-    batches in sequence order, filling gaps from the replay endpoint.
+    batches in sequence order, each once, filling gaps from the replay endpoint.
 
-    ``lost`` lists the sequence numbers that neither the stream nor the replay delivered;
-    ``restarts`` counts sequence numbers going back (a restarted publisher).
+    A gap (batch n + 2 arriving after n) is filled by asking the replay for n + 1 on.
+    When nothing arrives for a poll's timeout, it asks the replay for anything after
+    the last batch seen (a lost last batch has no successor to reveal the gap; a
+    subscriber that started after the publisher, with ``start_seq=0``, gets what it
+    missed). ``lost`` lists the sequence numbers the replay no longer held;
+    ``restarts`` counts a sequence going back to 0 (a restarted publisher).
     """
 
-    def __init__(self, endpoint: str, replay: str | None = None, topic: str = "", ctx: zmq.Context | None = None):
+    def __init__(self, endpoint: str, replay: str | None = None, topic: str = "", ctx: zmq.Context | None = None,
+                 start_seq: int | None = None):
         self.ctx = ctx or zmq.Context.instance()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
@@ -83,29 +86,38 @@ class Subscriber:
             self.replay = self.ctx.socket(zmq.DEALER)
             self.replay.connect(replay)
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
-        self.next_seq: int | None = None  # the sequence number expected next
+        # the sequence number expected next; None: whatever comes first (0: everything)
+        self.next_seq: int | None = start_seq
         self.lost: list[int] = []
         self.restarts = 0
 
     def poll(self, timeout_ms: int = 1000) -> list[tuple[int, KVEventBatch]]:
-        """The next batch (with any replayed ones before it); [] if none came in time."""
+        """The batches that came next (replayed ones first), in order; [] if none came in time."""
         if not self.sub.poll(timeout_ms):
-            return []
+            if self.replay is None or self.next_seq is None:
+                return []
+            return self._take(self.fetch(self.next_seq, None, timeout_ms))
         _topic, seq_bytes, payload = self.sub.recv_multipart()
         seq = int.from_bytes(seq_bytes, "big")
         out: list[tuple[int, KVEventBatch]] = []
-        if self.next_seq is not None and seq > self.next_seq:
-            out += self.fetch(self.next_seq, seq, timeout_ms)
-            got = {s for s, _ in out}
-            self.lost += [s for s in range(self.next_seq, seq) if s not in got]
-        elif self.next_seq is not None and seq < self.next_seq:
-            self.restarts += 1  # the publisher started over at 0: its old blocks are gone
-        out.append((seq, self.decoder.decode(payload)))
-        self.next_seq = seq + 1
-        return out
+        if self.next_seq is not None and seq < self.next_seq:
+            if seq != 0:
+                return []  # already had it from the replay
+            self.restarts += 1
+        elif self.next_seq is not None and seq > self.next_seq:
+            out = self._take(self.fetch(self.next_seq, seq, timeout_ms))
+        return out + self._take([(seq, self.decoder.decode(payload))])
 
-    def fetch(self, start: int, stop: int, timeout_ms: int = 1000) -> list[tuple[int, KVEventBatch]]:
-        """Batches start..stop-1 still in the publisher's replay buffer."""
+    def _take(self, batches: list[tuple[int, KVEventBatch]]) -> list[tuple[int, KVEventBatch]]:
+        """Note the sequence numbers skipped before ``batches`` as lost; advance."""
+        for seq, _ in batches:
+            if self.next_seq is not None and seq > self.next_seq:
+                self.lost += range(self.next_seq, seq)
+            self.next_seq = seq + 1
+        return batches
+
+    def fetch(self, start: int, stop: int | None, timeout_ms: int = 1000) -> list[tuple[int, KVEventBatch]]:
+        """Batches from ``start`` (up to ``stop`` excluded) still in the publisher's replay buffer."""
         if self.replay is None:
             return []
         self.replay.send_multipart([b"", start.to_bytes(8, "big")])
@@ -115,7 +127,7 @@ class Subscriber:
             seq = int.from_bytes(seq_bytes, "big", signed=True)
             if seq == END_SEQ:
                 break
-            if start <= seq < stop:
+            if start <= seq and (stop is None or seq < stop):
                 out.append((seq, self.decoder.decode(payload)))
         return out
 
@@ -141,9 +153,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--endpoint", default="tcp://127.0.0.1:5557")
     ap.add_argument("--replay", default=None, help="the publisher's replay endpoint (e.g. tcp://127.0.0.1:5558)")
     ap.add_argument("--topic", default="")
+    ap.add_argument("--from-seq", type=int, default=None,
+                    help="replay from this sequence number on (0: every batch the replay buffer still holds)")
     ap.add_argument("--idle-exit", type=float, default=None, help="stop after this many seconds without a batch")
     args = ap.parse_args(argv)
-    sub = Subscriber(args.endpoint, args.replay, args.topic)
+    sub = Subscriber(args.endpoint, args.replay, args.topic, start_seq=args.from_seq)
     lost = 0
     try:
         while True:

@@ -44,8 +44,6 @@ but still uses up its sequence number, so a subscriber sees the gap (and the rep
 cannot fill it: it must resynchronise), where vLLM's ``publish`` would block the engine.
 """
 
-from __future__ import annotations
-
 import logging
 import queue
 import threading
