@@ -12,6 +12,7 @@
 | ModelNotFoundError                           | 404    | invalid_request_error | model_not_found         |
 | UnknownRequestError                          | 404    | invalid_request_error |                         |
 | DuplicateRequestError                        | 409    | invalid_request_error |                         |
+| other RequestError                           | 400    | invalid_request_error |                         |
 | ServiceUnavailableError                      | 503    | server_overloaded     | (and ``Retry-After``)   |
 | any other (InvariantViolation, a bug)        | 500    | server_error          | (logged, no detail)     |
 
@@ -45,6 +46,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str, str | None]] = {
     E.DuplicateRequestError: (409, "invalid_request_error", None),
     E.RequestFreedError: (409, "invalid_request_error", None),
     E.StaleHitError: (409, "invalid_request_error", None),
+    E.RequestError: (400, "invalid_request_error", None),
     E.ServiceUnavailableError: (503, "server_overloaded", None),
     E.InvariantViolation: (500, "server_error", None),
 }
