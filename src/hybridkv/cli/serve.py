@@ -19,8 +19,10 @@ or instead of serving.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -158,10 +160,15 @@ def _serve(args: argparse.Namespace, config, source, sock: socket.socket) -> int
     app = create_app(front, config, metrics)
     logging.basicConfig(level=args.log_level.upper(), format=f"{PREFIX}: %(levelname)s %(message)s")
     host, port = sock.getsockname()[:2]
+    ready = f"{PREFIX}: listening on http://{host}:{port} (model {config.model_name})"
+    if publisher is not None:
+        ready += f"; KV events on {publisher.endpoint}"
+        if publisher.replay_endpoint is not None:
+            ready += f", replay on {publisher.replay_endpoint}"
     server = _uvicorn_server(
         uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=int(config.drain_timeout) + 5,
                        access_log=args.log_level in ("debug", "info")),
-        front, config, f"{PREFIX}: listening on http://{host}:{port} (model {config.model_name})",
+        front, config, ready,
     )
     server.run(sockets=[sock])
     if app.state.final_blocks is None:
@@ -178,6 +185,20 @@ def _uvicorn_server(uv_config, front, config, ready_line: str):
     import uvicorn
 
     class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises a caught SIGTERM once it has stopped, which would kill the
+            # process before it reports the pool; ours stops and exits with a status instead
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:
