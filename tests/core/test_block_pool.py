@@ -114,13 +114,13 @@ def test_free_more_than_taken_is_an_invariant_violation():
 def test_reset_prefix_cache_refused_while_in_use_and_emits_event():
     pool = BlockPool(4, enable_kv_events=True, group_kinds=["full_attention"], block_size=4)
     b = pool.get_new_blocks(2)
-    pool.cache_full_blocks(b, [b"h0", b"h1"], 0, 2, 0)
+    pool.cache_full_blocks(b, [b"h0", b"h1"], 0, 2, 0, [5, 6, 7, 8, 9, 10, 11, 12, 13])
     assert not pool.reset_prefix_cache()
     pool.free_blocks(reversed(b))
     assert pool.reset_prefix_cache()
     assert pool.lookup(b"h0", 0) is None and pool.num_cached_blocks == 0
     events = pool.take_events()
-    assert events[0] == BlockStored((b"h0", b"h1"), (1, 2), None, 4, 0, "full_attention")
+    assert events[0] == BlockStored((b"h0", b"h1"), (1, 2), None, 4, 0, "full_attention", (5, 6, 7, 8, 9, 10, 11, 12), None)
     assert events[-1] == AllBlocksCleared()
     assert pool.take_events() == []
 
@@ -227,3 +227,30 @@ def test_bind_and_pop_lru_docstring_examples():
     q.lru_front([b[11], b[0]])
     units, widths, got = q.pop_lru(4, 3)
     assert ids(units) == [11, 0, 7] and got == 5 and q.block_ids() == [10]
+
+
+def test_stored_events_split_at_null_and_cached_blocks():
+    """One BlockStored per run of consecutive newly cached blocks, each with its own
+    parent hash and tokens; the group's window rides along."""
+    pool = BlockPool(8, enable_kv_events=True, group_kinds=["sliding_window"], group_spans=[3], block_size=2)
+    b = pool.get_new_blocks(4)
+    pool.cache_full_blocks([b[0]], [b"h0"], 0, 1, 0)  # block 0 cached before
+    pool.take_events()
+    table = [b[0], pool.null_block, b[1], b[2], pool.null_block, b[3]]
+    hashes = [f"h{i}".encode() for i in range(6)]
+    tokens = list(range(100, 112))
+    pool.cache_full_blocks(table, hashes, 0, 6, 0, tokens)
+    assert pool.take_events() == [
+        BlockStored((b"h2", b"h3"), (b[1].block_id, b[2].block_id), b"h1", 2, 0, "sliding_window",
+                    (104, 105, 106, 107), 3),
+        BlockStored((b"h5",), (b[3].block_id,), b"h4", 2, 0, "sliding_window", (110, 111), 3),
+    ]
+
+
+def test_no_events_recorded_when_off():
+    pool = BlockPool(4, block_size=2)
+    b = pool.get_new_blocks(2)
+    pool.cache_full_blocks(b, [b"h0", b"h1"], 0, 2, 0, [1, 2, 3, 4])
+    pool.free_blocks(b)
+    pool.get_new_blocks(3)
+    assert pool.reset_prefix_cache() is False and pool.take_events() == []

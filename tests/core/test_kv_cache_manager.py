@@ -145,6 +145,7 @@ def test_kv_events_name_group_and_spec_kind():
         (1, "chunked_local_attention", (4, 5)),
     ]
     assert stored[0].block_hashes == tuple(a.block_hashes[:2]) and stored[0].parent_hash is None
+    assert [(e.token_ids, e.attention_span) for e in stored] == [(tuple(range(8)), None), (tuple(range(8)), 8)]
     assert kv.take_events() == []
 
 

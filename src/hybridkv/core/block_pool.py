@@ -74,6 +74,7 @@ class BlockPool(PrefixCacheMap):
         enable_caching: bool = True,
         enable_kv_events: bool = False,
         group_kinds: Sequence[str] | None = None,
+        group_spans: Sequence[int | None] | None = None,
         uncached_first: bool = True,
         block_size: int = 0,
     ):
@@ -87,7 +88,9 @@ class BlockPool(PrefixCacheMap):
         self.enable_kv_events = enable_kv_events
         self.uncached_first = uncached_first
         self.block_size = block_size  # only reported in events
+        # per group, only reported in events: attention kind, window / chunk size
         self.group_kinds = tuple(group_kinds) if group_kinds is not None else ("?",) * num_groups
+        self.group_spans = tuple(group_spans) if group_spans is not None else (None,) * num_groups
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.null_block.is_null = True

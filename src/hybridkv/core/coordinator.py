@@ -62,6 +62,7 @@ class KVCacheCoordinator:
             enable_caching=enable_caching,
             enable_kv_events=enable_kv_events,
             group_kinds=[g.spec.kind for g in kv_cache_config.groups],
+            group_spans=[g.spec.attention_span for g in kv_cache_config.groups],
             uncached_first=uncached_first,
             block_size=self.block_size,
         )

@@ -60,6 +60,17 @@ class PrefixCacheMap:
             hit = hit.stripe[j]
         return hit
 
+    def cached_block_ids(self, group_id: int) -> dict[int, BlockHash]:
+        """{block id: block hash} of every block holding a content address in ``group_id``
+        (duplicates and stripe followers included); for checks, e.g. against KV events."""
+        self._check_group(group_id)
+        lead_group, j = self._member_of[group_id]
+        out: dict[int, BlockHash] = {}
+        for key, entry in self._cached[lead_group].items():
+            for block in entry.values() if type(entry) is dict else (entry,):
+                out[(block.stripe[j] if j else block).block_id] = key
+        return out
+
     def _evict_all(self, blocks: list[KVCacheBlock]) -> None:
         """Forget the content address of every cached block (or stripe) among ``blocks``."""
         maps = self._cached
@@ -91,11 +102,13 @@ class PrefixCacheMap:
         start: int,
         end: int,
         group_id: int,
+        token_ids: Sequence[int] | None = None,
     ) -> None:
         """Give blocks[start:end] the content addresses block_hashes[start:end] in ``group_id``.
 
         Null blocks and blocks already cached (prefix hits) are skipped. For a
         striped lead group, ``blocks`` are stripe leads and every member group is cached.
+        ``token_ids`` (the request's tokens) are read only for KV events.
         """
         self._check_group(group_id)
         if self._member_of[group_id][1]:
@@ -105,10 +118,7 @@ class PrefixCacheMap:
                 f"cache range [{start!r}, {end!r}) is outside {len(blocks)} blocks / {len(block_hashes)} hashes"
             )
         cached = self._cached[group_id]
-        stored: list[KVCacheBlock] = []
-        stored_hashes: list[BlockHash] = []
-        stored_first = start
-        events = self.enable_kv_events
+        stored: list[int] | None = [] if self.enable_kv_events else None
         for i in range(start, end):
             block = blocks[i]
             if block.is_null or block.block_hash is not None:
@@ -123,16 +133,35 @@ class PrefixCacheMap:
                 entry[block.block_id] = block
             else:
                 cached[key] = {entry.block_id: entry, block.block_id: block}
-            if events:
-                if not stored:
-                    stored_first = i
-                stored.append(block)
-                stored_hashes.append(key)
+            if stored is not None:
+                stored.append(i)
         if stored:
-            first = stored_first
+            self._stored_events(blocks, block_hashes, stored, group_id, token_ids)
+
+    def _stored_events(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        positions: list[int],
+        group_id: int,
+        token_ids: Sequence[int] | None,
+    ) -> None:
+        """One BlockStored per run of consecutive ``positions`` and per member group
+        (a stripe's groups get one event each, with their own block ids)."""
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in positions:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
             parent = block_hashes[first - 1] if first > 0 else None
+            hashes = tuple(block_hashes[first:last + 1])
+            tokens = tuple(token_ids[first * bs:(last + 1) * bs]) if token_ids is not None else ()
             for j, gid in enumerate(self._stripe_groups.get(group_id, (group_id,))):
-                ids = tuple((b.stripe[j] if b.stripe else b).block_id for b in stored)
+                ids = tuple((b.stripe[j] if b.stripe else b).block_id for b in (blocks[i] for i in run))
                 self._events.append(
-                    BlockStored(tuple(stored_hashes), ids, parent, self.block_size, gid, self.group_kinds[gid])
+                    BlockStored(hashes, ids, parent, bs, gid, self.group_kinds[gid], tokens, self.group_spans[gid])
                 )

@@ -76,6 +76,7 @@ class EngineConfig:
     seed: int = 0
     debug_checks: bool = False  # check every KV write for null-block slots
     hybrid: bool = True  # False: every layer's KV kept as full attention (the all-full layout)
+    enable_kv_events: bool = False  # record KV cache events (drained by engine.kv.take_events())
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.kv_cache_memory is not None:
@@ -173,7 +174,8 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(
             self.kv_cache_config,
-            CacheManagerConfig(max_model_len=self.max_model_len, enable_caching=config.enable_prefix_caching),
+            CacheManagerConfig(max_model_len=self.max_model_len, enable_caching=config.enable_prefix_caching,
+                               enable_kv_events=config.enable_kv_events),
         )
         self.scheduler = Scheduler(
             self.kv,

@@ -220,7 +220,9 @@ class AttentionManager(ABC):
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         if num_full <= st.num_cached:
             return
-        self.pool.cache_full_blocks(st.blocks, request.block_hashes, st.num_cached, num_full, self.group_ids[0])
+        self.pool.cache_full_blocks(
+            st.blocks, request.block_hashes, st.num_cached, num_full, self.group_ids[0], request.all_token_ids
+        )
         st.num_cached = num_full
 
     def freed_needed_blocks(self, request_id: str, num_computed_tokens: int) -> bool:
