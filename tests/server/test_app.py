@@ -160,3 +160,13 @@ def test_stop_strings_logprobs_and_seeds(tiny_llm):
         assert max(top.values()) == value  # greedy: the chosen token is the most likely one
     assert "".join(logprobs["tokens"]) == lp["choices"][0]["text"]
     assert seeded[0]["choices"][0]["text"] == seeded[1]["choices"][0]["text"]
+
+
+def test_importing_the_server_package_loads_no_framework_or_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, hybridkv.server, hybridkv.server.config, hybridkv.server.protocol; "
+            "bad = [m for m in ('fastapi', 'uvicorn', 'torch', 'zmq', 'prometheus_client') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
