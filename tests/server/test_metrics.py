@@ -47,9 +47,9 @@ VOCAB = 128
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """name -> loaded tiny model (gemma3: full + 2 striped sliding groups; llama4_dense:
-    full + chunked; mistral: sliding only, no full group)."""
+def models(tmp_path_factory, tiny_dir):
+    """name -> loaded tiny model (gemma3, the server tests' ``tiny_dir``: full + 2 striped
+    sliding groups; llama4_dense: full + chunked; mistral: sliding only, no full group)."""
     import torch
 
     torch.set_num_threads(1)
@@ -57,8 +57,9 @@ def models(tmp_path_factory):
 
     def get(name: str):
         if name not in cache:
-            path = tmp_path_factory.mktemp(name)
-            build_tiny(name, path)
+            path = tiny_dir if name == "gemma3" else tmp_path_factory.mktemp(name)
+            if name != "gemma3":
+                build_tiny(name, path)
             cache[name] = load_model(path)
         return cache[name]
 
