@@ -25,6 +25,7 @@ also derive from it (``ValueError``, ``KeyError``) so generic handlers still wor
     ├── TokenizerError            a tokenizer that cannot be built or does not match the model
     ├── ModelNotFoundError        a request names a model the server does not serve
     ├── ServiceUnavailableError   the server's waiting queue is full, or it is shutting down
+    ├── EngineFailedError         the engine raised while running a request (a bug; HTTP 500)
     └── InvariantViolation        check_invariants() found corrupted state (a bug)
 """
 
@@ -52,6 +53,7 @@ __all__ = [
     "TokenizerError",
     "ModelNotFoundError",
     "ServiceUnavailableError",
+    "EngineFailedError",
     "InvariantViolation",
 ]
 
@@ -170,6 +172,11 @@ class ServiceUnavailableError(HybridKVError):
     def __init__(self, *args: object, retry_after: int = 1) -> None:
         super().__init__(*args)
         self.retry_after = retry_after
+
+
+class EngineFailedError(HybridKVError):
+    """The engine raised while running a request: the request was aborted, the server goes
+    on (HTTP 500, without the detail). Always a bug."""
 
 
 class InvariantViolation(HybridKVError, AssertionError):

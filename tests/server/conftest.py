@@ -74,7 +74,7 @@ def run_app(llm, body, *, config=None, metrics=None, max_waiting: int = 64):
         app = create_app(front, config or ServerConfig(model_name="tiny"), metrics)
         front.start()
         try:
-            transport = httpx.ASGITransport(app=app)
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # as uvicorn: a bug is a 500
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
                 result = await asyncio.wait_for(body(client, front, app), 120)
         finally:

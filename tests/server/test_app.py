@@ -170,3 +170,34 @@ def test_importing_the_server_package_loads_no_framework_or_torch():
             "bad = [m for m in ('fastapi', 'uvicorn', 'torch', 'zmq', 'prometheus_client') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_an_engine_failure_is_a_500_without_detail_and_serving_goes_on(tiny_llm, monkeypatch):
+    engine = tiny_llm.engine
+    real = engine.step_deltas
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] in (2, 5):  # fail mid-request, twice
+            raise RuntimeError("secret internal detail")
+        return real()
+
+    monkeypatch.setattr(engine, "step_deltas", flaky)
+
+    async def body(client, front, app):
+        plain = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6})
+        stream = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6, "stream": True})
+        ok = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+        return plain, stream, ok, front.num_engine_errors
+
+    (plain, stream, ok, errors), (free, usable) = run_app(tiny_llm, body)
+    assert errors == 2
+    assert plain.status_code == 500 and plain.json()["error"]["type"] == "server_error"
+    assert "secret" not in plain.text and "Traceback" not in plain.text
+    events = _events(stream.text)
+    assert events[-1] == "[DONE]" and any(isinstance(e, dict) and "error" in e for e in events)
+    assert "secret" not in stream.text
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert free == usable
+    engine.kv.check_invariants()

@@ -176,7 +176,7 @@ def test_every_library_error_has_a_response():
         exc = cls("some detail")
         r = to_response(exc)
         assert set(r.body["error"]) == {"message", "type", "param", "code"}
-        if cls in (E.HybridKVError, E.InvariantViolation):
+        if cls in (E.HybridKVError, E.InvariantViolation, E.EngineFailedError):
             assert r.status == 500 and "some detail" not in r.body["error"]["message"]
         else:
             assert 400 <= r.status < 500 or r.status == 503, cls_name

@@ -35,6 +35,7 @@ from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 __all__ = ["add_parser", "run"]
 
 PREFIX = "hybridkv serve"
+SWITCH_INTERVAL = 0.0005  # seconds
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -146,6 +147,9 @@ def _serve(args: argparse.Namespace, config, source, sock: socket.socket) -> int
     if config.kv_events is not None:
         engine_cfg = dataclasses.replace(engine_cfg, enable_kv_events=True)
     llm = LLM(source, engine_cfg)
+    # the engine thread holds the GIL between torch calls; a short switch interval lets the
+    # event loop send each step's chunks at once instead of after up to 5 ms (Python's default)
+    sys.setswitchinterval(SWITCH_INTERVAL)
     publisher = None
     if config.kv_events is not None:
         from hybridkv.server.kv_events import KVEventPublisher

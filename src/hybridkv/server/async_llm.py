@@ -146,8 +146,6 @@ class AsyncLLM:
         self._accepting = True
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._idle = threading.Event()
-        self._idle.set()
         self._ids = 0
         self.num_engine_errors = 0
 
@@ -253,28 +251,30 @@ class AsyncLLM:
             self._loop.call_soon_threadsafe(_settle, fut, error)
 
     def _run(self) -> None:
-        engine = self.engine
         while True:
-            stop = self._drain_inbox()
-            busy = engine.has_unfinished_requests()
-            if stop and not busy:
-                break
-            if not busy:
-                self._publish_and_measure()
-                self._idle.set()
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            self._idle.clear()
             try:
-                deltas = engine.step_deltas()
+                if self._once():
+                    return
             except Exception as exc:  # a bug in the engine: fail what runs, keep serving
                 self.num_engine_errors += 1
                 log.exception("engine step failed; aborting %d requests", len(self._live))
                 self._fail_all(exc)
-                continue
-            self._dispatch(deltas)
+
+    def _once(self) -> bool:
+        """Take the inbox in, then one step (or sleep until a command comes); True: stop."""
+        engine = self.engine
+        stop = self._drain_inbox()
+        busy = engine.has_unfinished_requests()
+        if stop and not busy:
+            return True
+        if not busy:
             self._publish_and_measure()
+            self._wake.wait()
+            self._wake.clear()
+            return False
+        self._dispatch(engine.step_deltas())
+        self._publish_and_measure()
+        return False
 
     def _drain_inbox(self) -> bool:
         stop = False
@@ -334,8 +334,8 @@ class AsyncLLM:
         for rid, live in list(self._live.items()):
             try:
                 self.engine.abort_request(rid)
-            except HybridKVError:
-                pass
+            except Exception:  # pragma: no cover - the engine is already broken
+                log.exception("aborting %s after an engine failure failed", rid)
             items.append((live.sub, Chunk(live.index, "", (), error=exc)))
         self._live.clear()
         self._send(items)

@@ -14,7 +14,7 @@
 | DuplicateRequestError                        | 409    | invalid_request_error |                         |
 | other RequestError                           | 400    | invalid_request_error |                         |
 | ServiceUnavailableError                      | 503    | server_overloaded     | (and ``Retry-After``)   |
-| any other (InvariantViolation, a bug)        | 500    | server_error          | (logged, no detail)     |
+| EngineFailedError, InvariantViolation, other | 500    | server_error          | (logged, no detail)     |
 
 A full pool is not an error (requests wait). Config and weight errors end start-up
 (exit 2); they reach this table only if raised per request. A 500 never carries the
@@ -49,6 +49,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str, str | None]] = {
     E.RequestError: (400, "invalid_request_error", None),
     E.ServiceUnavailableError: (503, "server_overloaded", None),
     E.InvariantViolation: (500, "server_error", None),
+    E.EngineFailedError: (500, "server_error", None),
 }
 
 

@@ -28,7 +28,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from hybridkv.engine.llm import encode_prompt
-from hybridkv.errors import InvalidArgumentError, ModelNotFoundError, PromptTooLongError
+from hybridkv.errors import EngineFailedError, InvalidArgumentError, ModelNotFoundError, PromptTooLongError
 from hybridkv.scheduler.interface import SamplingParams
 from hybridkv.server.async_llm import AsyncLLM, Chunk, Submission, TokenLogprob
 from hybridkv.server.config import ServerConfig
@@ -291,7 +291,7 @@ class OpenAIServing:
         try:
             async for chunk in sub:
                 if chunk.error is not None:
-                    raise chunk.error
+                    raise EngineFailedError("the engine failed while running this request") from chunk.error
                 texts.setdefault(chunk.index, []).append(chunk.text)
                 if chunk.logprobs is not None:
                     lps.setdefault(chunk.index, []).extend(chunk.logprobs)
