@@ -23,6 +23,9 @@ also derive from it (``ValueError``, ``KeyError``) so generic handlers still wor
     │   ├── GGUFFormatError           a truncated or non-GGUF file
     │   └── UnsupportedQuantizationError   a GGUF tensor type hybridkv cannot dequantize
     ├── TokenizerError            a tokenizer that cannot be built or does not match the model
+    ├── ModelNotFoundError        a request names a model the server does not serve
+    ├── ServiceUnavailableError   the server's waiting queue is full, or it is shutting down
+    ├── EngineFailedError         the engine raised while running a request (a bug; HTTP 500)
     └── InvariantViolation        check_invariants() found corrupted state (a bug)
 """
 
@@ -48,6 +51,9 @@ __all__ = [
     "ModelNotInstalledError",
     "ChatTemplateError",
     "TokenizerError",
+    "ModelNotFoundError",
+    "ServiceUnavailableError",
+    "EngineFailedError",
     "InvariantViolation",
 ]
 
@@ -69,7 +75,14 @@ class UnknownArchitectureError(InvalidConfigError):
 
 
 class InvalidArgumentError(HybridKVError, ValueError):
-    """An argument is out of range or unparsable (negative token count, '80XB')."""
+    """An argument is out of range or unparsable (negative token count, '80XB').
+
+    ``param`` names the offending parameter when there is one (the server reports it in
+    OpenAI's error body, as vLLM does)."""
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class RequestError(HybridKVError):
@@ -144,6 +157,26 @@ class ChatTemplateError(InvalidArgumentError):
 
 class TokenizerError(HybridKVError, ValueError):
     """A tokenizer cannot be built from its files / metadata, or does not match the model's vocabulary."""
+
+
+class ModelNotFoundError(HybridKVError, LookupError):
+    """A request names a model the server does not serve (HTTP 404, ``model_not_found``)."""
+
+    param = "model"
+
+
+class ServiceUnavailableError(HybridKVError):
+    """The server cannot take a request now: its waiting queue is full or it is shutting
+    down (HTTP 503 with ``Retry-After``). ``retry_after`` is in seconds."""
+
+    def __init__(self, *args: object, retry_after: int = 1) -> None:
+        super().__init__(*args)
+        self.retry_after = retry_after
+
+
+class EngineFailedError(HybridKVError):
+    """The engine raised while running a request: the request was aborted, the server goes
+    on (HTTP 500, without the detail). Always a bug."""
 
 
 class InvariantViolation(HybridKVError, AssertionError):

@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "plan": "hybridkv.cli.plan",
     "simulate": "hybridkv.cli.simulate",
     "generate": "hybridkv.cli.generate",
+    "serve": "hybridkv.cli.serve",
 }
 
 EXIT_USAGE = 2

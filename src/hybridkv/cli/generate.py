@@ -50,7 +50,7 @@ from hybridkv.planner.presets import load_model_config
 from hybridkv.planner.sizes import format_bytes
 from hybridkv.scheduler.interface import SamplingParams
 
-__all__ = ["add_parser", "run", "parse_prompt_ids", "read_prompts_file"]
+__all__ = ["add_parser", "add_engine_options", "engine_config", "run", "parse_prompt_ids", "read_prompts_file"]
 
 
 def parse_prompt_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
@@ -136,6 +136,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--stop-token-ids", action="append", default=[], metavar="IDS",
                    help="comma-separated ids that end a prompt's output (kept in it); repeatable (default: none)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS ids (default: stop)")
+    add_engine_options(p, max_num_seqs_default="the number of prompts")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt (default: the text)")
+    p.set_defaults(func=run)
+    return p
+
+
+def add_engine_options(p: argparse.ArgumentParser, *, max_num_seqs_default: str) -> None:
+    """The engine's options, shared by ``generate`` and ``serve`` (:func:`engine_config` reads them)."""
     p.add_argument("--no-hybrid", action="store_true",
                    help="keep every layer's KV as full attention (the all-full layout, for comparison; default: hybrid)")
     p.add_argument("--dtype", choices=DTYPES, default=DTYPES[0], help=f"model and KV cache dtype (default {DTYPES[0]})")
@@ -147,13 +155,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-model-len", type=tokens, default=None,
                    help="tokens per request at most, e.g. 4096, 32k, 1M (default: the model's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int_range(1), default=None,
-                   help="requests running at once at most (default: the number of prompts)")
+                   help=f"requests running at once at most (default: {max_num_seqs_default})")
     p.add_argument("--max-num-batched-tokens", type=int_range(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                    help=f"token budget of one step (chunked prefill) (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (default on)")
-    p.add_argument("--json", action="store_true", help="print one JSON object per prompt (default: the text)")
-    p.set_defaults(func=run)
-    return p
+
+
+def engine_config(args: argparse.Namespace, max_num_seqs: int):
+    """The :class:`EngineConfig` of :func:`add_engine_options`' options (imports torch)."""
+    from hybridkv.engine.engine import EngineConfig
+
+    return EngineConfig(
+        block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs or max_num_seqs, dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens, hybrid=not args.no_hybrid,
+    )
 
 
 def _require_engine_dependencies() -> None:
@@ -241,14 +258,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = checkpoint_tokenizer(source, vocab)
     encoded = [encode_prompt(tokenizer, p, vocab) for p in prompts]  # template / tokenizer errors before the load
 
-    from hybridkv.engine.engine import EngineConfig  # torch from here on
-
-    llm = LLM(source, EngineConfig(
-        block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs or len(prompts), dtype=args.dtype,
-        max_num_batched_tokens=args.max_num_batched_tokens, hybrid=not args.no_hybrid,
-    ), tokenizer=tokenizer)
+    llm = LLM(source, engine_config(args, len(prompts)), tokenizer=tokenizer)  # torch from here on
     start = time.perf_counter()
     outputs = _print_outputs(args, llm.stream(encoded, sp), len(prompts), ids_mode)
     elapsed = time.perf_counter() - start

@@ -34,7 +34,7 @@ from hybridkv.engine.models.base import CausalLM
 from hybridkv.errors import InvalidArgumentError, TokenizerError
 from hybridkv.scheduler.interface import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "TextDelta", "Prompt", "checkpoint_tokenizer", "encode_prompt"]
+__all__ = ["LLM", "CompletionOutput", "TextDelta", "TextStream", "Prompt", "checkpoint_tokenizer", "encode_prompt"]
 
 #: text, chat messages, or token ids
 Prompt = Union[str, Sequence[Mapping[str, Any]], Sequence[int]]
@@ -126,8 +126,9 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, vocab_size: int) -> list[int]:
     return ids
 
 
-class _Stream:
-    """One request's text state: incremental detokenizer, stop-string matcher, output so far."""
+class TextStream:
+    """One request's text state: incremental detokenizer, stop-string matcher, output so far.
+    (The server's engine thread keeps one per request too.)"""
 
     __slots__ = ("index", "rid", "prompt", "detok", "stops", "text", "stop_string")
 
@@ -220,18 +221,18 @@ class LLM:
             if len(params) != len(prompts):
                 raise InvalidArgumentError(f"{len(params)} sampling params for {len(prompts)} prompts")
         encoded = [self.encode(p) for p in prompts]  # every template / tokenizer error before any request
-        streams: dict[str, _Stream] = {}
+        streams: dict[str, TextStream] = {}
         try:
             for i, (ids, sp) in enumerate(zip(encoded, params)):
                 rid = self.engine.add_request(ids, sp)
-                streams[rid] = _Stream(i, rid, ids, self.tokenizer, sp)
+                streams[rid] = TextStream(i, rid, ids, self.tokenizer, sp)
         except BaseException:
             for rid in streams:
                 self.engine.abort_request(rid)
             raise
         return self._run(streams)
 
-    def _run(self, streams: dict[str, _Stream]) -> Iterator[TextDelta]:
+    def _run(self, streams: dict[str, TextStream]) -> Iterator[TextDelta]:
         try:
             while streams:
                 if not self.engine.has_unfinished_requests():  # pragma: no cover - the engine lost a request
@@ -246,7 +247,7 @@ class LLM:
                         out = self.engine.abort_request(d.request_id)
                     if out is not None:
                         del streams[d.request_id]
-                        yield TextDelta(s.index, s.rid, text, d.new_token_ids, self._completion(s, out, stopped))
+                        yield TextDelta(s.index, s.rid, text, d.new_token_ids, self.finish(s, out, stopped))
                     elif text or d.new_token_ids:
                         yield TextDelta(s.index, s.rid, text, d.new_token_ids)
         finally:
@@ -263,7 +264,9 @@ class LLM:
                 outputs[delta.index] = delta.output
         return [outputs[i] for i in range(len(outputs))]
 
-    def _completion(self, s: _Stream, out: RequestOutput, stopped: bool) -> CompletionOutput:
+    def finish(self, s: TextStream, out: RequestOutput, stopped: bool) -> CompletionOutput:
+        """The :class:`CompletionOutput` of a request that ended with ``out`` (``stopped``: on
+        a stop string of ``s``, which then names it)."""
         reason, stop_reason = out.finish_reason, None
         if stopped:
             reason, stop_reason = "stop", s.stop_string

@@ -1,0 +1,222 @@
+"""``hybridkv serve``: the model behind an OpenAI-compatible HTTP API (FastAPI + uvicorn).
+
+    hybridkv serve gemma-3-270m                          # http://127.0.0.1:8000/v1
+    hybridkv serve MODEL --port 0                        # an ephemeral port, printed when ready
+    hybridkv serve MODEL --kv-events tcp://127.0.0.1:5557 --kv-events-replay tcp://127.0.0.1:5558
+
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
+``/metrics`` (:mod:`hybridkv.server.app`). Once it listens, one line goes to stderr:
+``hybridkv serve: listening on http://HOST:PORT (model NAME)``. SIGTERM (or Ctrl-C)
+stops admission (503 and ``/health`` 503), then ``--shutdown drain`` lets running
+requests finish for up to ``--drain-timeout`` seconds and aborts the rest, ``--shutdown
+abort`` aborts them at once; the process ends with one line giving the pool's free
+blocks (every block free: exit 0).
+
+Bad options, a missing model or server package, a port in use: one line, exit 2, before
+or instead of serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import signal
+import socket
+import sys
+import threading
+
+from hybridkv.cli.generate import _check_pool, _require_engine_dependencies, add_engine_options, engine_config
+from hybridkv.cli.model_dir import resolve_model_source
+from hybridkv.cli.options import finite_float, int_range
+from hybridkv.errors import InvalidArgumentError, InvalidConfigError
+
+__all__ = ["add_parser", "run"]
+
+PREFIX = "hybridkv serve"
+SWITCH_INTERVAL = 0.0005  # seconds
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="Serve a model (an installed name, a .gguf file or a model directory) "
+                                          "over OpenAI's HTTP API, with Prometheus metrics and KV cache events.")
+    p.add_argument("model", metavar="MODEL",
+                   help="gemma-3-270m, smollm2-135m, a .gguf file, or a model directory (or its config.json)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int_range(0, 65535), default=8000, help="port; 0 picks a free one (default 8000)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in the API (default: MODEL as given, or its directory's name)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes (default: none)")
+    p.add_argument("--max-waiting", type=int_range(1), default=256,
+                   help="requests waiting at most; past it 503 with Retry-After (default 256)")
+    p.add_argument("--shutdown", choices=("drain", "abort"), default="drain",
+                   help="on SIGTERM: let running requests finish, or abort them (default drain)")
+    p.add_argument("--drain-timeout", type=finite_float(0.0), default=30.0,
+                   help="seconds --shutdown drain waits before aborting what still runs (default 30)")
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish KV cache events over ZMQ (vLLM's wire format), e.g. tcp://127.0.0.1:5557 (default: off)")
+    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                   help="ZMQ endpoint answering replay requests for missed events (default: none)")
+    p.add_argument("--kv-events-topic", default="", metavar="TOPIC", help="topic of the event messages (default empty)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
+                   help="server log level (default warning)")
+    add_engine_options(p, max_num_seqs_default="64")
+    p.set_defaults(func=run)
+    return p
+
+
+def _require_server_dependencies(kv_events: bool) -> None:
+    needed = ["fastapi", "uvicorn", "prometheus_client"] + (["zmq", "msgspec"] if kv_events else [])
+    for module in needed:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise InvalidConfigError(
+                f"serve needs {module}, which is not installed: pip install 'hybridkv[server]'"
+            ) from None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InvalidArgumentError(f"--host {host!r}: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise InvalidArgumentError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _model_name(args: argparse.Namespace, source) -> str:
+    """--served-model-name, else an installed model's name, a GGUF file's stem, a directory's name."""
+    from pathlib import Path
+
+    from hybridkv.checkpoint.installed import INSTALLED_MODELS
+
+    if args.served_model_name:
+        return args.served_model_name
+    if source.name in INSTALLED_MODELS:
+        return source.name
+    return Path(source.path).stem if source.kind == "gguf" else Path(source.path).name
+
+
+def run(args: argparse.Namespace) -> int:
+    from hybridkv.server.config import ServerConfig
+
+    source = resolve_model_source(args.model)
+    config = ServerConfig(
+        model_name=_model_name(args, source), host=args.host, port=args.port, api_key=args.api_key,
+        max_waiting=args.max_waiting, shutdown=args.shutdown, drain_timeout=args.drain_timeout,
+        kv_events=args.kv_events, kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic,
+    )
+    if args.num_blocks is not None and args.kv_cache_memory is not None:
+        raise InvalidArgumentError("give --num-blocks or --kv-cache-memory, not both")
+    _require_server_dependencies(config.kv_events is not None)
+    _require_engine_dependencies()
+    from hybridkv.planner.presets import load_model_config
+
+    loaded = load_model_config(source.path)
+    _check_pool(args, loaded.config, loaded.label)
+    sock = _bind(config.host, config.port)  # a port in use is refused before the model loads
+    try:
+        return _serve(args, config, source, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, config, source, sock: socket.socket) -> int:
+    import dataclasses
+
+    import uvicorn
+
+    from hybridkv.engine.llm import LLM
+    from hybridkv.server.app import create_app
+    from hybridkv.server.async_llm import AsyncLLM
+    from hybridkv.server.metrics import ServerMetrics
+
+    engine_cfg = engine_config(args, 64)
+    if config.kv_events is not None:
+        engine_cfg = dataclasses.replace(engine_cfg, enable_kv_events=True)
+    llm = LLM(source, engine_cfg)
+    # the engine thread holds the GIL between torch calls; a short switch interval lets the
+    # event loop send each step's chunks at once instead of after up to 5 ms (Python's default)
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    publisher = None
+    if config.kv_events is not None:
+        from hybridkv.server.kv_events import KVEventPublisher
+
+        publisher = KVEventPublisher(
+            config.kv_events, group_specs=[g.spec for g in llm.engine.grouping.groups],
+            replay_endpoint=config.kv_events_replay, topic=config.kv_events_topic,
+        )
+    metrics = ServerMetrics(llm.engine, config.model_name)
+    front = AsyncLLM(llm, max_waiting=config.max_waiting, retry_after=config.retry_after,
+                     metrics=metrics, kv_publisher=publisher)
+    app = create_app(front, config, metrics)
+    logging.basicConfig(level=args.log_level.upper(), format=f"{PREFIX}: %(levelname)s %(message)s")
+    host, port = sock.getsockname()[:2]
+    ready = f"{PREFIX}: listening on http://{host}:{port} (model {config.model_name})"
+    if publisher is not None:
+        ready += f"; KV events on {publisher.endpoint}"
+        if publisher.replay_endpoint is not None:
+            ready += f", replay on {publisher.replay_endpoint}"
+    server = _uvicorn_server(
+        uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=int(config.drain_timeout) + 5,
+                       access_log=args.log_level in ("debug", "info")),
+        front, config, ready,
+    )
+    server.run(sockets=[sock])
+    if app.state.final_blocks is None:
+        print(f"{PREFIX}: error: the server did not start", file=sys.stderr)
+        return 1
+    free, usable = app.state.final_blocks
+    print(f"{PREFIX}: stopped; {free} of {usable} KV cache blocks free", file=sys.stderr, flush=True)
+    return 0 if free == usable else 1
+
+
+def _uvicorn_server(uv_config, front, config, ready_line: str):
+    """uvicorn's server, printing ``ready_line`` once it listens and turning SIGTERM into an
+    orderly stop: admission closed first, then drain (with a timer) or abort."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises a caught SIGTERM once it has stopped, which would kill the
+            # process before it reports the pool; ours stops and exits with a status instead
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                print(ready_line, file=sys.stderr, flush=True)
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                front.close_admission()
+                if config.shutdown == "abort":
+                    front.abort_all()
+                else:
+                    timer = threading.Timer(config.drain_timeout, front.abort_all)
+                    timer.daemon = True
+                    timer.start()
+            super().handle_exit(sig, frame)
+
+    return Server(uv_config)

@@ -1,0 +1,169 @@
+"""The FastAPI app: OpenAI's routes over :class:`OpenAIServing`, ``/health`` and ``/metrics``.
+
+    app = create_app(AsyncLLM(LLM("gemma-3-270m")), ServerConfig(model_name="gemma-3-270m"))
+    uvicorn.run(app)           # or: hybridkv serve gemma-3-270m
+
+| route                      | what                                                      |
+|----------------------------|-----------------------------------------------------------|
+| POST /v1/completions       | text or token-id prompts (a list: one choice each)        |
+| POST /v1/chat/completions  | messages through the chat template                        |
+| GET  /v1/models            | the served model                                          |
+| GET  /health               | 200 while serving, 503 once shutting down                 |
+| GET  /metrics              | Prometheus text (:mod:`hybridkv.server.metrics`)          |
+
+The lifespan starts the engine thread and, at shutdown (after uvicorn has let open
+responses finish), aborts what is left, stops the thread and records the pool's free
+blocks in ``app.state.final_blocks``. Every error is OpenAI's JSON error body with the
+status of :mod:`hybridkv.server.errors`: malformed JSON and wrong types are 400 (not
+FastAPI's 422), unknown routes 404, and nothing on the wire carries a traceback. A
+client that disconnects aborts its requests, streaming or not: their blocks are freed
+before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hybridkv import __version__
+from hybridkv.errors import HybridKVError
+from hybridkv.server.async_llm import AsyncLLM
+from hybridkv.server.config import ServerConfig
+from hybridkv.server.errors import error_body, to_response
+from hybridkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from hybridkv.server.serving import OpenAIServing
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("hybridkv.server")
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request body", None
+    first = errs[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('msg', '')}".rstrip(": "), None
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+    return f"{where}: {first.get('msg', 'invalid value')}{more}", param
+
+
+def _error_json(exc: BaseException) -> JSONResponse:
+    r = to_response(exc)
+    return JSONResponse(r.body, status_code=r.status, headers=r.headers)
+
+
+async def _until_done_or_gone(request: Request, coro) -> Any:
+    """Await ``coro``; if the client disconnects first, cancel it (its requests are aborted)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> FastAPI:
+    """The app serving ``front``'s model as ``config.model_name`` (see the module docstring)."""
+    serving = OpenAIServing(front, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        front.start()
+        yield
+        app.state.final_blocks = await front.shutdown()
+        free, usable = app.state.final_blocks
+        log.info("engine stopped: %d of %d blocks free", free, usable)
+
+    app = FastAPI(title="hybridkv", version=__version__, lifespan=lifespan)
+    app.state.front = front
+    app.state.serving = serving
+    app.state.config = config
+    app.state.metrics = metrics
+    app.state.final_blocks = None
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(HybridKVError)
+    async def _hybridkv(request: Request, exc: HybridKVError):
+        return _error_json(exc)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):
+        return _error_json(exc)
+
+    if config.api_key is not None:
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            if request.url.path.startswith("/v1/"):
+                if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+                    return JSONResponse(
+                        error_body("invalid or missing API key", "invalid_request_error", None, "invalid_api_key"),
+                        status_code=401,
+                    )
+            return await call_next(request)
+
+    async def _generate(request: Request, run) -> Response:
+        result = await _until_done_or_gone(request, run)
+        if result is None:  # the client left; nobody reads this
+            return Response(status_code=499)
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _generate(request, serving.completions(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _generate(request, serving.chat(body))
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return serving.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not front.accepting:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        if metrics is None:
+            return JSONResponse(error_body("metrics are off", "invalid_request_error"), status_code=404)
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app

@@ -1,0 +1,53 @@
+"""How the server runs: a small frozen config beside the engine's :class:`EngineConfig`.
+
+    ServerConfig(model_name="gemma-3-270m", port=0, max_waiting=128)
+
+``max_waiting`` bounds the requests queued but not yet running (submitted ones the
+engine thread has not taken in count too); past it a request gets 503 with
+``Retry-After``. ``shutdown`` says what SIGTERM does to requests already running:
+``"drain"`` lets them finish (at most ``drain_timeout`` seconds, then aborts what is
+left), ``"abort"`` ends them at once. Either way admission stops first and the process
+exits with every block of the pool free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridkv.errors import InvalidConfigError
+
+__all__ = ["ServerConfig", "SHUTDOWN_MODES"]
+
+SHUTDOWN_MODES = ("drain", "abort")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    model_name: str = "model"
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: an ephemeral port (the CLI prints the one it got)
+    api_key: str | None = None  # when set, every /v1 route needs ``Authorization: Bearer <key>``
+    max_waiting: int = 256
+    max_prompts_per_request: int = 64  # a /v1/completions prompt list longer than this is refused
+    shutdown: str = "drain"
+    drain_timeout: float = 30.0
+    retry_after: int = 1  # seconds, in 503 responses
+    kv_events: str | None = None  # ZMQ endpoint to publish KV events on, e.g. tcp://127.0.0.1:5557
+    kv_events_replay: str | None = None  # ZMQ ROUTER endpoint answering replay requests
+    kv_events_topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise InvalidConfigError(f"model_name must be a non-empty str, got {self.model_name!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise InvalidConfigError(f"port must be an int in [0, 65535], got {self.port!r}")
+        for name in ("max_waiting", "max_prompts_per_request", "retry_after"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if self.shutdown not in SHUTDOWN_MODES:
+            raise InvalidConfigError(f"shutdown must be one of {SHUTDOWN_MODES}, got {self.shutdown!r}")
+        if not isinstance(self.drain_timeout, (int, float)) or not 0 <= self.drain_timeout < float("inf"):
+            raise InvalidConfigError(f"drain_timeout must be a finite number >= 0, got {self.drain_timeout!r}")
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise InvalidConfigError("a KV events replay endpoint needs a KV events endpoint")

@@ -1,0 +1,128 @@
+"""The OpenAI request bodies the server accepts, as pydantic models.
+
+Only the request side is modelled: it is what must be validated (types, ranges) before
+anything reaches the engine. Responses are built as plain dicts in
+:mod:`hybridkv.server.serving`, in OpenAI's shapes.
+
+Types are strict where a coercion would hide a client bug: ``max_tokens: "16"`` or a
+``bool`` where an int belongs is a 400, not a silent conversion. Fields OpenAI defines
+that hybridkv cannot honour are accepted only at their neutral value (``n`` = 1,
+``presence_penalty`` = 0, no ``logit_bias``, ...): any other value is a 400 that names
+the parameter (:func:`unsupported`). Unknown fields are ignored, as vLLM and OpenAI do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "StreamOptions",
+    "unsupported",
+]
+
+Number = Union[StrictInt, StrictFloat]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Model):
+    include_usage: StrictBool = False
+
+
+class _Sampling(_Model):
+    """The parameters both endpoints share."""
+
+    model: Optional[StrictStr] = None  # None: the served model
+    max_tokens: Optional[StrictInt] = None
+    temperature: Optional[Number] = None  # None: 1.0, OpenAI's default
+    top_p: Optional[Number] = None
+    top_k: Optional[StrictInt] = None  # vLLM's extension; 0 or -1: off
+    seed: Optional[StrictInt] = None
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    stop_token_ids: Optional[list[StrictInt]] = None
+    ignore_eos: StrictBool = False
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[StrictStr] = None
+    # accepted only at their neutral values (see ``unsupported``)
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
+    logit_bias: Optional[dict[str, Any]] = None
+    best_of: Optional[StrictInt] = None
+    min_tokens: Optional[StrictInt] = None
+    use_beam_search: Optional[StrictBool] = None
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``. ``prompt``: text, token ids, or a list of either (one choice each)."""
+
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+    logprobs: Optional[StrictInt] = None  # 0..20 top alternatives per token
+    echo: StrictBool = False
+    suffix: Optional[StrictStr] = None
+
+
+class ChatMessage(_Model):
+    role: StrictStr
+    # text, or OpenAI's content parts (only ``{"type": "text", "text": ...}`` parts are supported)
+    content: Union[StrictStr, list[dict[str, Any]], None] = None
+    name: Optional[StrictStr] = None
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``; the chat template renders ``messages``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = None  # 0..20, with logprobs
+    max_completion_tokens: Optional[StrictInt] = None  # OpenAI's newer name for max_tokens
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    response_format: Optional[dict[str, Any]] = None
+    add_generation_prompt: StrictBool = True
+
+
+#: parameter -> (its neutral value(s), why another value is refused)
+_NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "only n=1 is supported"),
+    "best_of": ((None, 1), "only best_of=1 is supported"),
+    "presence_penalty": ((None, 0, 0.0), "penalties are not supported"),
+    "frequency_penalty": ((None, 0, 0.0), "penalties are not supported"),
+    "repetition_penalty": ((None, 1, 1.0), "penalties are not supported"),
+    "logit_bias": ((None,), "logit_bias is not supported"),
+    "min_tokens": ((None, 0), "min_tokens is not supported"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "echo": ((False,), "echo is not supported"),
+    "suffix": ((None,), "suffix is not supported"),
+    "tools": ((None,), "tool calling is not supported"),
+    "tool_choice": ((None, "none"), "tool calling is not supported"),
+}
+
+
+def unsupported(request: _Model) -> tuple[str, str] | None:
+    """The first parameter set to a value hybridkv cannot honour, and why; None if none.
+
+    ``response_format`` is allowed only as ``{"type": "text"}``.
+    """
+    for name, (neutral, why) in _NEUTRAL.items():
+        if name in type(request).model_fields:
+            value = getattr(request, name)
+            if not any(value == v and type(value) is type(v) for v in neutral) and not (
+                value is None and None in neutral
+            ):
+                return name, f"{why} (got {name}={value!r:.60})"
+    fmt = getattr(request, "response_format", None)
+    if fmt is not None and fmt.get("type") != "text":
+        return "response_format", f"only response_format type 'text' is supported (got {fmt!r:.60})"
+    return None
+
+

@@ -1,0 +1,341 @@
+"""OpenAI's completions and chat completions over :class:`AsyncLLM`, with no web framework.
+
+A request goes through the same steps on both endpoints, each of which may refuse it
+with a typed error before anything is queued (:mod:`hybridkv.server.errors` turns them
+into OpenAI error bodies):
+
+1. the model name (``None`` means the served model), and the parameters hybridkv cannot
+   honour (:func:`~hybridkv.server.protocol.unsupported`);
+2. the prompt's token ids: text with the tokenizer's special tokens, a chat through the
+   chat template (a template that raises is a 400), or token ids as given;
+3. the context: ``max_tokens`` >= 1 and prompt + ``max_tokens`` <= ``max_model_len``
+   (the default ``max_tokens`` is 16 for completions, as OpenAI; the rest of the
+   context for chat, as vLLM);
+4. :class:`SamplingParams` from the request, each range checked with the parameter's name;
+5. :meth:`AsyncLLM.submit`, which raises the engine's own refusals (a pool too small).
+
+Only then does a response start: a JSON body, or server-sent events of OpenAI's chunk
+objects ending with ``data: [DONE]``. ``usage.prompt_tokens_details.cached_tokens`` is
+the prefix-cache hit of the request's prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from hybridkv.engine.llm import encode_prompt
+from hybridkv.errors import EngineFailedError, InvalidArgumentError, ModelNotFoundError, PromptTooLongError
+from hybridkv.scheduler.interface import SamplingParams
+from hybridkv.server.async_llm import AsyncLLM, Chunk, Submission, TokenLogprob
+from hybridkv.server.config import ServerConfig
+from hybridkv.server.protocol import ChatCompletionRequest, CompletionRequest, unsupported
+
+__all__ = ["OpenAIServing", "sse"]
+
+MAX_LOGPROBS = 20
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0
+
+
+class OpenAIServing:
+    """The two generation endpoints and ``/v1/models`` (see the module docstring)."""
+
+    def __init__(self, front: AsyncLLM, config: ServerConfig) -> None:
+        self.front = front
+        self.config = config
+        self.llm = front.llm
+        self.max_model_len = front.engine.max_model_len
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------ models
+    def models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.config.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "hybridkv",
+                    "root": self.config.model_name,
+                    "max_model_len": self.max_model_len,
+                }
+            ],
+        }
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.model_name:
+            raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {self.config.model_name!r}")
+
+    # ------------------------------------------------------------ parsing
+    def _sampling(self, req, prompt_len: int, default_max: int | None) -> SamplingParams:
+        max_tokens = req.max_tokens
+        if getattr(req, "max_completion_tokens", None) is not None:
+            max_tokens = req.max_completion_tokens
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{prompt_len}, which leaves no room for an output token"
+            )
+        if max_tokens is None:
+            max_tokens = room if default_max is None else min(default_max, room)
+        if max_tokens < 1:
+            raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if prompt_len + max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion)"
+            )
+        temperature = 1.0 if req.temperature is None else float(req.temperature)
+        if not 0 <= temperature < math.inf:
+            raise InvalidArgumentError(f"temperature must be a number >= 0, got {req.temperature}", param="temperature")
+        top_p = 1.0 if req.top_p is None else float(req.top_p)
+        if not 0 < top_p <= 1:
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
+        top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k
+        if top_k < 0:
+            raise InvalidArgumentError(f"top_k must be -1, 0 (off) or positive, got {req.top_k}", param="top_k")
+        stop = () if req.stop is None else ((req.stop,) if isinstance(req.stop, str) else tuple(req.stop))
+        if any(not s for s in stop):
+            raise InvalidArgumentError("stop strings must not be empty", param="stop")
+        stop_ids = tuple(req.stop_token_ids or ())
+        if any(t < 0 for t in stop_ids):
+            raise InvalidArgumentError(f"stop_token_ids must be >= 0, got {list(stop_ids)[:5]}", param="stop_token_ids")
+        if stop and self.llm.tokenizer is None:
+            raise InvalidArgumentError("stop strings need a tokenizer; this model has none", param="stop")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=req.seed,
+            stop_token_ids=stop_ids,
+            ignore_eos=req.ignore_eos,
+            stop=stop,
+        ).with_eos(self.llm.eos_token_ids)
+
+    def _encode(self, prompt: Any, param: str) -> list[int]:
+        try:
+            return encode_prompt(self.llm.tokenizer, prompt, self.llm.model.vocab_size)
+        except InvalidArgumentError as exc:
+            if exc.param is None:
+                exc.param = param
+            raise
+
+    def _prepare(self, req) -> None:
+        self._check_model(req.model)
+        bad = unsupported(req)
+        if bad is not None:
+            raise InvalidArgumentError(bad[1], param=bad[0])
+
+    # ------------------------------------------------------------ completions
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+            prompts: list[Any] = [p]
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise InvalidArgumentError("the prompt is empty", param="prompt")
+        if len(prompts) > self.config.max_prompts_per_request:
+            raise InvalidArgumentError(
+                f"{len(prompts)} prompts in one request; at most {self.config.max_prompts_per_request}", param="prompt"
+            )
+        ids = [self._encode(x, "prompt") for x in prompts]
+        vocab = self.llm.model.vocab_size
+        for x in ids:
+            bad = [t for t in x if not 0 <= t < vocab]
+            if bad:
+                raise InvalidArgumentError(f"token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
+        return ids
+
+    async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+        self._prepare(req)
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgumentError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
+        prompts = self.completion_prompts(req)
+        params = [self._sampling(req, len(p), 16) for p in prompts]
+        sub = await self.front.submit(prompts, params, logprobs=req.logprobs)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._stream(sub, rid, "text_completion", self._completion_choice, include_usage)
+        return await self._collect(sub, rid, "text_completion", chat=False)
+
+    def _completion_choice(self, chunk: Chunk, first: bool) -> dict:
+        return {
+            "index": chunk.index,
+            "text": chunk.text,
+            "logprobs": self._completion_logprobs(chunk.logprobs),
+            "finish_reason": _reason(chunk),
+            "stop_reason": _stop_reason(chunk),
+        }
+
+    def _token_text(self, token_id: int) -> str:
+        tok = self.llm.tokenizer
+        return "" if tok is None else tok.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, lps: tuple[TokenLogprob, ...] | None, offset: int = 0) -> dict | None:
+        if lps is None:
+            return None
+        tokens = [self._token_text(t.token_id) for t in lps]
+        offsets, at = [], offset
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_finite(t.logprob) for t in lps],
+            "top_logprobs": [{self._token_text(i): _finite(v) for i, v in t.top} for t in lps],
+            "text_offset": offsets,
+        }
+
+    # ------------------------------------------------------------ chat
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise InvalidArgumentError(
+                            f"message {i}: only text content parts are supported, got {part!r:.60}", param="messages"
+                        )
+                    parts.append(part["text"])
+                content = "".join(parts)
+            messages.append({"role": m.role, "content": content or ""})
+        if not req.add_generation_prompt:
+            raise InvalidArgumentError("add_generation_prompt=false is not supported", param="add_generation_prompt")
+        return self._encode(messages, "messages")
+
+    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+        self._prepare(req)
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidArgumentError(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs"
+            )
+        if req.top_logprobs and not req.logprobs:
+            raise InvalidArgumentError("top_logprobs needs logprobs=true", param="top_logprobs")
+        prompt = self.chat_prompt(req)
+        params = self._sampling(req, len(prompt), None)
+        sub = await self.front.submit([prompt], [params], logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._stream(sub, rid, "chat.completion.chunk", self._chat_choice, include_usage)
+        return await self._collect(sub, rid, "chat.completion", chat=True)
+
+    def _chat_choice(self, chunk: Chunk, first: bool) -> dict:
+        delta: dict[str, Any] = {"role": "assistant", "content": chunk.text} if first else {}
+        if chunk.text and not first:
+            delta["content"] = chunk.text
+        return {
+            "index": chunk.index,
+            "delta": delta,
+            "logprobs": self._chat_logprobs(chunk.logprobs),
+            "finish_reason": _reason(chunk),
+            "stop_reason": _stop_reason(chunk),
+        }
+
+    def _chat_logprobs(self, lps: tuple[TokenLogprob, ...] | None) -> dict | None:
+        if lps is None:
+            return None
+
+        def entry(token_id: int, value: float) -> dict:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": _finite(value), "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]} for t in lps]}
+
+    # ------------------------------------------------------------ responses
+    async def _stream(self, sub: Submission, rid: str, obj: str, choice, include_usage: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+        started: set[int] = set()
+        finals: list[Any] = []
+        try:
+            async for chunk in sub:
+                if chunk.error is not None:
+                    yield sse({"error": {"message": "the engine failed while running this request", "type": "server_error",
+                                         "param": None, "code": 500}})
+                    continue
+                first = chunk.index not in started
+                started.add(chunk.index)
+                if chunk.final is not None:
+                    finals.append(chunk.final)
+                yield sse({"id": rid, "object": obj, "created": created, "model": self.config.model_name,
+                           "choices": [choice(chunk, first)]})
+            if include_usage:
+                yield sse({"id": rid, "object": obj, "created": created, "model": self.config.model_name,
+                           "choices": [], "usage": _usage(finals)})
+            yield "data: [DONE]\n\n"
+        finally:
+            sub.close()
+
+    async def _collect(self, sub: Submission, rid: str, obj: str, chat: bool) -> dict:
+        texts: dict[int, list[str]] = {}
+        lps: dict[int, list[TokenLogprob] | None] = {}
+        finals: dict[int, Any] = {}
+        try:
+            async for chunk in sub:
+                if chunk.error is not None:
+                    raise EngineFailedError("the engine failed while running this request") from chunk.error
+                texts.setdefault(chunk.index, []).append(chunk.text)
+                if chunk.logprobs is not None:
+                    lps.setdefault(chunk.index, []).extend(chunk.logprobs)
+                if chunk.final is not None:
+                    finals[chunk.index] = chunk.final
+        finally:
+            sub.close()
+        choices = []
+        for i in sorted(finals):
+            out, text = finals[i], "".join(texts.get(i, []))
+            entry = _FakeChunk(i, out)
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": self._chat_logprobs(tuple(lps[i])) if i in lps else None,
+                                "finish_reason": _reason(entry), "stop_reason": _stop_reason(entry)})
+            else:
+                choices.append({"index": i, "text": text,
+                                "logprobs": self._completion_logprobs(tuple(lps[i])) if i in lps else None,
+                                "finish_reason": _reason(entry), "stop_reason": _stop_reason(entry)})
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.config.model_name,
+                "choices": choices, "usage": _usage(list(finals.values()))}
+
+
+class _FakeChunk:
+    __slots__ = ("index", "final")
+
+    def __init__(self, index: int, final: Any) -> None:
+        self.index, self.final = index, final
+
+
+def _reason(chunk) -> str | None:
+    if chunk.final is None:
+        return None
+    reason = chunk.final.finish_reason
+    return "abort" if reason == "aborted" else reason
+
+
+def _stop_reason(chunk) -> str | int | None:
+    return None if chunk.final is None else chunk.final.stop_reason
+
+
+def _usage(finals: list) -> dict:
+    prompt = sum(len(f.prompt_token_ids) for f in finals)
+    completion = sum(len(f.token_ids) for f in finals)
+    cached = sum(f.num_cached_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
