@@ -201,3 +201,23 @@ def test_an_engine_failure_is_a_500_without_detail_and_serving_goes_on(tiny_llm,
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     assert free == usable
     engine.kv.check_invariants()
+
+
+def test_kv_cache_peek_is_the_hit_a_request_gets(tiny_llm):
+    prompt = "peek at a prompt long enough for several blocks"
+
+    async def body(client, front, app):
+        before = (await client.post("/kv_cache/peek", json={"prompt": prompt})).json()
+        await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        peek = (await client.post("/kv_cache/peek", json={"prompt": prompt})).json()
+        again = (await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})).json()
+        bad = [await client.post("/kv_cache/peek", json=b) for b in ({}, {"prompt": 5}, {"prompt": ["a", "b"]},
+                                                                     {"messages": "x"}, {"prompt": [999]})]
+        raw = await client.post("/kv_cache/peek", content="{oops", headers={"content-type": "application/json"})
+        return before, peek, again, bad, raw
+
+    (before, peek, again, bad, raw), _ = run_app(tiny_llm, body)
+    assert before["cached_tokens"] == 0
+    assert peek["cached_tokens"] == again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert peek["prompt_tokens"] == again["usage"]["prompt_tokens"]
+    assert [r.status_code for r in bad] == [400] * 5 and raw.status_code == 400

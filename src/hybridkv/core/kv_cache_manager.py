@@ -401,6 +401,15 @@ class KVCacheManager:
         stats, self.stats = self.stats, PrefixCacheStats()
         return stats
 
+    def peek_prefix_hit(self, token_ids: Sequence[int]) -> int:
+        """Tokens :meth:`get_computed_blocks` would find cached for a new request of
+        ``token_ids`` now (whole blocks, at most ``len - 1``), without counting a query.
+        For an external oracle (a router's benchmark asks the replica)."""
+        if not self.enable_caching or len(token_ids) < 2:
+            return 0
+        request = self.make_request("peek", token_ids)
+        return self.coordinator.find_hit(request.block_hashes, request.num_tokens - 1)[1]
+
     def take_events(self) -> list[KVCacheEvent]:
         """KV events since the last call (only when built with enable_kv_events)."""
         return self.pool.take_events()

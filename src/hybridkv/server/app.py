@@ -10,6 +10,7 @@
 | GET  /v1/models            | the served model                                          |
 | GET  /health               | 200 while serving, 503 once shutting down                 |
 | GET  /metrics              | Prometheus text (:mod:`hybridkv.server.metrics`)          |
+| POST /kv_cache/peek        | the prefix-cache hit a prompt would get now (an oracle)   |
 
 The lifespan starts the engine thread and, at shutdown (after uvicorn has let open
 responses finish), aborts what is left, stops the thread and records the pool's free
@@ -148,6 +149,14 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _generate(request, serving.chat(body))
+
+    @app.post("/kv_cache/peek")
+    async def kv_cache_peek(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse(error_body("malformed JSON body", "invalid_request_error"), status_code=400)
+        return JSONResponse(await serving.peek(body))
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -236,6 +236,13 @@ class AsyncLLM:
             raise
         return sub
 
+    async def peek_prefix_hit(self, token_ids: Sequence[int]) -> int:
+        """Tokens of ``token_ids`` the engine's prefix cache would give a new request now
+        (asked in the engine thread, between steps; nothing is queued or counted)."""
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._command(("peek", list(token_ids), fut))
+        return await fut
+
     # ------------------------------------------------------------ the thread
     def _command(self, cmd: tuple) -> None:
         self._inbox.append(cmd)
@@ -246,9 +253,9 @@ class AsyncLLM:
         if items and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(_deliver, items)
 
-    def _resolve(self, fut: asyncio.Future, error: BaseException | None) -> None:
+    def _resolve(self, fut: asyncio.Future, error: BaseException | None, value: Any = None) -> None:
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(_settle, fut, error)
+            self._loop.call_soon_threadsafe(_settle, fut, error, value)
 
     def _run(self) -> None:
         while True:
@@ -285,6 +292,8 @@ class AsyncLLM:
                 self._add(*cmd[1:])
             elif kind == "abort":
                 self._abort([rid for rid in cmd[1].request_ids if rid in self._live])
+            elif kind == "peek":
+                self._peek(*cmd[1:])
             elif kind == "abort_all":
                 self._abort(list(self._live))
             elif kind == "stop":
@@ -318,6 +327,12 @@ class AsyncLLM:
         with self._lock:
             self._pending -= len(prompts)
         self._resolve(fut, error)
+
+    def _peek(self, ids: list[int], fut: asyncio.Future) -> None:
+        try:
+            self._resolve(fut, None, self.engine.kv.peek_prefix_hit(ids))
+        except Exception as exc:  # bad ids: the caller's error
+            self._resolve(fut, exc)
 
     def _abort(self, rids: list[str]) -> None:
         items = []
@@ -415,9 +430,9 @@ def _deliver(items: list[tuple[Submission, Chunk]]) -> None:
             sub.queue.put_nowait(chunk)
 
 
-def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
+def _settle(fut: asyncio.Future, error: BaseException | None, value: Any = None) -> None:
     if not fut.done():
         if error is None:
-            fut.set_result(None)
+            fut.set_result(value)
         else:
             fut.set_exception(error)

@@ -27,12 +27,14 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from hybridkv.engine.llm import encode_prompt
+from pydantic import ValidationError
+
 from hybridkv.errors import EngineFailedError, InvalidArgumentError, ModelNotFoundError, PromptTooLongError
 from hybridkv.scheduler.interface import SamplingParams
 from hybridkv.server.async_llm import AsyncLLM, Chunk, Submission, TokenLogprob
 from hybridkv.server.config import ServerConfig
 from hybridkv.server.protocol import ChatCompletionRequest, CompletionRequest, unsupported
+from hybridkv.tokenizer.prompts import encode_prompt
 
 __all__ = ["OpenAIServing", "sse"]
 
@@ -139,6 +141,24 @@ class OpenAIServing:
         bad = unsupported(req)
         if bad is not None:
             raise InvalidArgumentError(bad[1], param=bad[0])
+
+    # ------------------------------------------------------------ oracle
+    async def peek(self, body: dict) -> dict:
+        """``POST /kv_cache/peek``: ``{"prompt": text | ids}`` or ``{"messages": [...]}`` ->
+        ``{"prompt_tokens": n, "cached_tokens": hit}``: the prefix-cache hit a request with
+        this prompt would get now (valid for every group). For routers' oracles and tests."""
+        if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+            raise InvalidArgumentError('give "prompt" (text or token ids) or "messages"', param="prompt")
+        try:
+            if "messages" in body:
+                ids = self.chat_prompt(ChatCompletionRequest(messages=body["messages"]))
+            else:
+                [ids] = self.completion_prompts(CompletionRequest(prompt=body["prompt"]))
+        except ValidationError as exc:
+            raise InvalidArgumentError(f"bad prompt: {exc.errors()[0].get('msg', 'invalid')}", param="prompt") from None
+        except ValueError as exc:  # several prompts
+            raise InvalidArgumentError(f"give one prompt: {exc}", param="prompt") from None
+        return {"prompt_tokens": len(ids), "cached_tokens": await self.front.peek_prefix_hit(ids)}
 
     # ------------------------------------------------------------ completions
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
