@@ -17,11 +17,15 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from hybridkv.errors import InvalidArgumentError
+
 __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
     "StreamOptions",
+    "chat_messages",
+    "completion_prompt_list",
     "unsupported",
 ]
 
@@ -126,3 +130,33 @@ def unsupported(request: _Model) -> tuple[str, str] | None:
     return None
 
 
+def completion_prompt_list(req: CompletionRequest) -> list[Any]:
+    """The prompts of a completions request: text or token ids, one or a list (one choice each)."""
+    p = req.prompt
+    if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+        prompts: list[Any] = [p]
+    else:
+        prompts = list(p)
+    if not prompts:
+        raise InvalidArgumentError("the prompt is empty", param="prompt")
+    return prompts
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The messages to render: text content as is, text parts joined (other parts refused)."""
+    if not req.add_generation_prompt:
+        raise InvalidArgumentError("add_generation_prompt=false is not supported", param="add_generation_prompt")
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidArgumentError(
+                        f"message {i}: only text content parts are supported, got {part!r:.60}", param="messages"
+                    )
+                parts.append(part["text"])
+            content = "".join(parts)
+        messages.append({"role": m.role, "content": content or ""})
+    return messages

@@ -33,7 +33,13 @@ from hybridkv.errors import EngineFailedError, InvalidArgumentError, ModelNotFou
 from hybridkv.scheduler.interface import SamplingParams
 from hybridkv.server.async_llm import AsyncLLM, Chunk, Submission, TokenLogprob
 from hybridkv.server.config import ServerConfig
-from hybridkv.server.protocol import ChatCompletionRequest, CompletionRequest, unsupported
+from hybridkv.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    completion_prompt_list,
+    unsupported,
+)
 from hybridkv.tokenizer.prompts import encode_prompt
 
 __all__ = ["OpenAIServing", "sse"]
@@ -162,13 +168,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ completions
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        p = req.prompt
-        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
-            prompts: list[Any] = [p]
-        else:
-            prompts = list(p)
-        if not prompts:
-            raise InvalidArgumentError("the prompt is empty", param="prompt")
+        prompts = completion_prompt_list(req)
         if len(prompts) > self.config.max_prompts_per_request:
             raise InvalidArgumentError(
                 f"{len(prompts)} prompts in one request; at most {self.config.max_prompts_per_request}", param="prompt"
@@ -224,22 +224,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ chat
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = []
-        for i, m in enumerate(req.messages):
-            content = m.content
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise InvalidArgumentError(
-                            f"message {i}: only text content parts are supported, got {part!r:.60}", param="messages"
-                        )
-                    parts.append(part["text"])
-                content = "".join(parts)
-            messages.append({"role": m.role, "content": content or ""})
-        if not req.add_generation_prompt:
-            raise InvalidArgumentError("add_generation_prompt=false is not supported", param="add_generation_prompt")
-        return self._encode(messages, "messages")
+        return self._encode(chat_messages(req), "messages")
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self._prepare(req)
