@@ -35,6 +35,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "hybridkv.cli.simulate",
     "generate": "hybridkv.cli.generate",
     "serve": "hybridkv.cli.serve",
+    "route": "hybridkv.cli.route",
 }
 
 EXIT_USAGE = 2

@@ -185,7 +185,8 @@ def _serve(args: argparse.Namespace, config, source, sock: socket.socket) -> int
 
 def _uvicorn_server(uv_config, front, config, ready_line: str):
     """uvicorn's server, printing ``ready_line`` once it listens and turning SIGTERM into an
-    orderly stop: admission closed first, then drain (with a timer) or abort."""
+    orderly stop: admission closed first, then drain (with a timer) or abort (with ``front``
+    None, the router's, only the first)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -209,7 +210,7 @@ def _uvicorn_server(uv_config, front, config, ready_line: str):
                 print(ready_line, file=sys.stderr, flush=True)
 
         def handle_exit(self, sig, frame):
-            if not self.should_exit:
+            if not self.should_exit and front is not None:
                 front.close_admission()
                 if config.shutdown == "abort":
                     front.abort_all()

@@ -1,0 +1,99 @@
+"""``hybridkv route``: a KV-cache-aware router in front of OpenAI-compatible replicas.
+
+    hybridkv serve MODEL --port 8001 --kv-events tcp://127.0.0.1:5557 --kv-events-replay tcp://127.0.0.1:5558 &
+    hybridkv serve MODEL --port 8002 --kv-events tcp://127.0.0.1:5567 --kv-events-replay tcp://127.0.0.1:5568 &
+    hybridkv route --model MODEL --port 8000 \\
+        --replica http://127.0.0.1:8001,tcp://127.0.0.1:5557,tcp://127.0.0.1:5558 \\
+        --replica http://127.0.0.1:8002,tcp://127.0.0.1:5567,tcp://127.0.0.1:5568
+
+``--model`` gives the tokenizer (the replicas' model: a name, a .gguf file or a model
+directory; nothing is loaded but the tokenizer), so the router sees the token ids the
+replicas will. Replicas on other hosts are the same command with their addresses. Once it
+listens, one line on stderr: ``hybridkv route: listening on http://HOST:PORT (N replicas,
+policy P)``. Bad options, a bad replica address, a port in use: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from hybridkv.cli.options import finite_float, int_range
+from hybridkv.errors import InvalidConfigError
+
+__all__ = ["add_parser", "run"]
+
+PREFIX = "hybridkv route"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from hybridkv.router.policy import PolicyName
+
+    p = subparsers.add_parser("route", help="route OpenAI requests across replicas by their KV cache",
+                              description="A KV-cache-aware OpenAI-compatible proxy over hybridkv serve (or "
+                                          "vLLM-event-publishing) replicas.")
+    p.add_argument("--replica", action="append", default=[], metavar="URL[,EVENTS[,REPLAY]]",
+                   help="a replica's base URL, its KV events endpoint and replay endpoint; repeatable")
+    p.add_argument("--model", default=None, metavar="MODEL",
+                   help="the replicas' model, for its tokenizer (default: none: hits are not predicted for text)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int_range(0, 65535), default=8000, help="port; 0 picks a free one (default 8000)")
+    p.add_argument("--policy", choices=[x.value for x in PolicyName], default=PolicyName.HYBRID.value,
+                   help="how to pick a replica (default hybrid)")
+    p.add_argument("--max-imbalance", type=int_range(0), default=8,
+                   help="a hit may send at most this many more in-flight requests to a replica than to the least "
+                        "loaded (default 8)")
+    p.add_argument("--health-interval", type=finite_float(0.0, low_open=True), default=1.0,
+                   help="seconds between replica health probes (default 1)")
+    p.add_argument("--events-timeout", type=finite_float(0.0, low_open=True), default=5.0,
+                   help="seconds a replica's events may lag a response before its index is dropped (default 5)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
+    p.set_defaults(func=run)
+    return p
+
+
+def _tokenizer(model: str | None):
+    if model is None:
+        return None
+    from hybridkv.cli.model_dir import resolve_model_source
+    from hybridkv.planner.architectures import language_model_config
+    from hybridkv.planner.presets import load_model_config
+    from hybridkv.tokenizer.prompts import checkpoint_tokenizer
+
+    source = resolve_model_source(model)
+    loaded = load_model_config(source.path)
+    vocab = language_model_config(loaded.config, label=loaded.label)["vocab_size"]
+    return checkpoint_tokenizer(source, vocab)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hybridkv.cli.serve import _bind, _require_server_dependencies
+    from hybridkv.router.replica import ReplicaSpec
+    from hybridkv.router.router import Router, RouterConfig
+
+    if not args.replica:
+        raise InvalidConfigError("give at least one --replica URL[,EVENTS[,REPLAY]]")
+    specs = [ReplicaSpec.parse(text) for text in args.replica]
+    config = RouterConfig(policy=args.policy, max_imbalance=args.max_imbalance, health_interval=args.health_interval,
+                          events_timeout=args.events_timeout)
+    _require_server_dependencies(any(s.events for s in specs))
+    tokenizer = _tokenizer(args.model)
+    router = Router(specs, config, tokenizer)
+    sock = _bind(args.host, args.port)
+    try:
+        import uvicorn
+
+        from hybridkv.cli.serve import _uvicorn_server
+        from hybridkv.router.app import create_router_app
+
+        logging.basicConfig(level=args.log_level.upper(), format=f"{PREFIX}: %(levelname)s %(message)s")
+        app = create_router_app(router)
+        host, port = sock.getsockname()[:2]
+        ready = f"{PREFIX}: listening on http://{host}:{port} ({len(specs)} replicas, policy {config.policy})"
+        server = _uvicorn_server(uvicorn.Config(app, log_level=args.log_level, access_log=False), None, None, ready)
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    print(f"{PREFIX}: stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,120 @@
+"""How the router picks a replica: five policies behind one method.
+
+    policy = make_policy("hybrid", max_imbalance=8)
+    replica, predicted_hit = await policy.choose(token_ids, candidates)
+
+| name           | hit it ranks by                                                    |
+|----------------|--------------------------------------------------------------------|
+| round-robin    | none: replicas in turn                                             |
+| least-loaded   | none: fewest requests in flight (the router's own count)           |
+| full-only      | the index's hit counting only full-attention groups (what routers  |
+|                | that drop sliding / chunked groups predict)                        |
+| hybrid         | the index's hit valid for every group (the core's rules)           |
+| oracle         | each replica's own manager, asked over HTTP (``/kv_cache/peek``)   |
+
+The hit-ranking policies share one rule (:func:`pick`): among replicas whose in-flight
+count is at most the least loaded one's plus ``max_imbalance``, take the largest hit;
+ties go to the less loaded, then in turn. So a cache hit wins unless following it would
+pile more than ``max_imbalance`` requests onto one replica beyond the least loaded.
+Without token ids (no tokenizer, an unparsable body) every hit is 0 and the rule is
+least-loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+from typing import Awaitable, Callable, Protocol, Sequence
+
+from hybridkv.errors import InvalidConfigError
+from hybridkv.router.replica import Replica
+
+__all__ = ["Policy", "PolicyName", "make_policy", "pick"]
+
+
+class PolicyName(str, enum.Enum):
+    ROUND_ROBIN = "round-robin"
+    LEAST_LOADED = "least-loaded"
+    FULL_ONLY = "full-only"
+    HYBRID = "hybrid"
+    ORACLE = "oracle"
+
+
+class Policy(Protocol):
+    name: PolicyName
+
+    async def choose(self, token_ids: Sequence[int] | None, replicas: Sequence[Replica]) -> tuple[Replica, int]:
+        """The replica for a request of ``token_ids`` (``replicas``: up, non-empty) and the hit
+        tokens predicted there."""
+
+
+def pick(replicas: Sequence[Replica], hits: Sequence[int], max_imbalance: int, turn: int) -> tuple[Replica, int]:
+    """The module docstring's rule. ``turn`` rotates among full ties."""
+    least = min(r.in_flight for r in replicas)
+    n = len(replicas)
+    best = None
+    for k in range(n):
+        i = (turn + k) % n
+        r = replicas[i]
+        if r.in_flight > least + max_imbalance:
+            continue
+        key = (hits[i], -r.in_flight)
+        if best is None or key > best[0]:
+            best = (key, i)
+    i = best[1]
+    return replicas[i], hits[i]
+
+
+class _Ranked:
+    """A policy that ranks by a per-replica hit (sync or async)."""
+
+    def __init__(self, name: PolicyName, hit: Callable[[Replica, Sequence[int]], int | Awaitable[int]] | None,
+                 max_imbalance: int) -> None:
+        self.name = name
+        self._hit = hit
+        self.max_imbalance = max_imbalance
+        self._turn = itertools.count()
+
+    async def choose(self, token_ids, replicas):
+        turn = next(self._turn)
+        if self._hit is None or not token_ids:
+            hits = [0] * len(replicas)
+        else:
+            values = [self._hit(r, token_ids) for r in replicas]
+            if values and asyncio.iscoroutine(values[0]):
+                values = await asyncio.gather(*values)
+            hits = list(values)
+        return pick(replicas, hits, self.max_imbalance, turn)
+
+
+class _RoundRobin:
+    name = PolicyName.ROUND_ROBIN
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    async def choose(self, token_ids, replicas):
+        return replicas[next(self._turn) % len(replicas)], 0
+
+
+def make_policy(name: str, *, max_imbalance: int = 8,
+                oracle: Callable[[Replica, Sequence[int]], Awaitable[int]] | None = None) -> Policy:
+    """The policy called ``name``; ``oracle`` asks a replica for its hit (the oracle policy)."""
+    try:
+        kind = PolicyName(name)
+    except ValueError:
+        raise InvalidConfigError(f"unknown policy {name!r}; expected one of {[p.value for p in PolicyName]}") from None
+    if isinstance(max_imbalance, bool) or not isinstance(max_imbalance, int) or max_imbalance < 0:
+        raise InvalidConfigError(f"max_imbalance must be an int >= 0, got {max_imbalance!r}")
+    if kind is PolicyName.ROUND_ROBIN:
+        return _RoundRobin()
+    if kind is PolicyName.LEAST_LOADED:
+        return _Ranked(kind, None, 0)
+    if kind is PolicyName.FULL_ONLY:
+        return _Ranked(kind, Replica.score_full_only, max_imbalance)
+    if kind is PolicyName.HYBRID:
+        return _Ranked(kind, Replica.score, max_imbalance)
+    if oracle is None:
+        raise InvalidConfigError("the oracle policy needs a way to ask replicas")
+    return _Ranked(kind, oracle, max_imbalance)

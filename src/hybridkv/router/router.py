@@ -1,0 +1,221 @@
+"""The router's state and decisions, with no web framework: replicas, policy, health, events.
+
+    router = Router([ReplicaSpec.parse(u) for u in urls], RouterConfig(policy="hybrid"), tokenizer)
+    await router.start()                       # health probes, one events thread per replica
+    ids = router.prompt_ids(body, chat=False)  # what the replicas will see (None: unknown)
+    replica, predicted = await router.choose(ids)
+    ...
+    await router.stop()
+
+Faults (the issue's rules):
+
+* a replica whose ``/health`` probe fails (connection refused, timeout) is **down**: no new
+  request goes to it and its index is dropped; a request that could not connect to it is
+  retried on another replica (nothing was generated yet), one that fails mid-response ends
+  with a clear error. A probe that answers 200 brings it back (its index refills from its
+  events: a restarted replica's stream starts again at sequence 0, which resets the index);
+  503 (draining) takes it out of rotation without dropping its index;
+* a gap in event sequence numbers is filled from the replay endpoint, or resets the index
+  (:mod:`hybridkv.router.events`); undecodable events are counted and skipped;
+* events **silent** while it serves: a request it answered should have stored blocks; if no
+  event arrives within ``events_timeout`` after the response, the index is dropped
+  (``stale``) until events arrive again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import httpx
+
+from hybridkv.errors import InvalidArgumentError, InvalidConfigError, ServiceUnavailableError
+from hybridkv.router.policy import PolicyName, make_policy
+from hybridkv.router.replica import Replica, ReplicaSpec
+
+__all__ = ["Router", "RouterConfig"]
+
+log = logging.getLogger("hybridkv.router")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    policy: str = "hybrid"
+    max_imbalance: int = 8
+    health_interval: float = 1.0  # seconds between /health probes
+    probe_timeout: float = 2.0
+    events_timeout: float = 5.0  # seconds after a response by which its events must have arrived
+    request_timeout: float = 600.0
+    retry_after: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("health_interval", "probe_timeout", "events_timeout", "request_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise InvalidConfigError(f"{name} must be a number > 0, got {value!r}")
+        make_policy(self.policy, max_imbalance=self.max_imbalance, oracle=_no_oracle)  # checks both
+
+
+async def _no_oracle(replica, ids):  # pragma: no cover - only for the config check
+    return 0
+
+
+class Router:
+    """See the module docstring."""
+
+    def __init__(self, specs: Sequence[ReplicaSpec], config: RouterConfig = RouterConfig(), tokenizer: Any = None):
+        if not specs:
+            raise InvalidConfigError("the router needs at least one --replica")
+        urls = [s.url for s in specs]
+        if len(set(urls)) != len(urls):
+            raise InvalidConfigError(f"a replica is given twice: {urls}")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.replicas = [Replica(f"r{i}", s) for i, s in enumerate(specs)]
+        self.policy = make_policy(config.policy, max_imbalance=config.max_imbalance, oracle=self._peek)
+        self.client: httpx.AsyncClient | None = None
+        self._streams: list[Any] = []
+        self._tasks: list[asyncio.Task] = []
+        self.num_decisions = 0
+        self.decision_seconds = 0.0
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.request_timeout, connect=5.0), limits=limits)
+        for r in self.replicas:
+            if r.has_events:
+                self._streams.append(self._start_events(r))
+        await self.probe_all()
+        self._tasks.append(asyncio.create_task(self._health_loop()))
+
+    def _start_events(self, r: Replica):
+        from hybridkv.router.events import ReplicaEvents
+
+        return ReplicaEvents(r.name, r.spec.events, r.spec.replay, on_batch=r.on_events,
+                             on_reset=lambda reason, r=r: r.reset_index(reason))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+        self._tasks.clear()
+        for s in self._streams:
+            await asyncio.get_running_loop().run_in_executor(None, s.close)
+        self._streams.clear()
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+
+    # ------------------------------------------------------------ health
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval)
+            try:
+                await self.probe_all()
+                self.check_silence()
+            except Exception:  # pragma: no cover - never let the loop die
+                log.exception("health check failed")
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(r) for r in self.replicas))
+
+    async def probe(self, r: Replica) -> None:
+        try:
+            resp = await self.client.get(f"{r.spec.url}/health", timeout=self.config.probe_timeout)
+            ok = resp.status_code == 200
+            alive = True
+        except httpx.HTTPError:
+            ok = alive = False
+        if not alive and r.up:
+            self.mark_down(r, "down")
+        elif ok and not r.up:
+            log.info("replica %s (%s) is up", r.name, r.spec.url)
+            r.up = True
+        elif alive and not ok:
+            r.up = False  # draining: out of rotation, index kept
+
+    def mark_down(self, r: Replica, reason: str) -> None:
+        if r.up:
+            log.warning("replica %s (%s) is down (%s)", r.name, r.spec.url, reason)
+        r.up = False
+        r.reset_index("down")
+
+    def check_silence(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for r in self.replicas:
+            due = r.expect_event_by
+            if due is not None and now > due and r.up and not r.stale:
+                log.warning("replica %s: no KV event %.1f s after a response; its index is dropped",
+                            r.name, self.config.events_timeout)
+                r.stale = True
+                r.expect_event_by = None
+                r.reset_index("silent")
+
+    # ------------------------------------------------------------ decisions
+    def prompt_ids(self, body: Any, chat: bool) -> list[int] | None:
+        """The token ids a replica will see for this request body, or None (no tokenizer, a
+        body the replica will refuse, several prompts): the decision then ignores hits."""
+        from pydantic import ValidationError
+
+        from hybridkv.server.protocol import ChatCompletionRequest, CompletionRequest, chat_messages, completion_prompt_list
+        from hybridkv.tokenizer.prompts import encode_prompt
+
+        if not isinstance(body, dict):
+            return None
+        try:
+            if chat:
+                if self.tokenizer is None:
+                    return None
+                prompt: Any = chat_messages(ChatCompletionRequest(**body))
+            else:
+                prompts = completion_prompt_list(CompletionRequest(**body))
+                if len(prompts) != 1:
+                    return None
+                prompt = prompts[0]
+                if isinstance(prompt, str) and self.tokenizer is None:
+                    return None
+            return encode_prompt(self.tokenizer, prompt, 0)
+        except (ValidationError, InvalidArgumentError, ValueError, TypeError):
+            return None
+
+    def candidates(self, exclude: set[str] = frozenset()) -> list[Replica]:
+        return [r for r in self.replicas if r.up and r.name not in exclude]
+
+    async def choose(self, token_ids: Sequence[int] | None, exclude: set[str] = frozenset()) -> tuple[Replica, int]:
+        up = self.candidates(exclude)
+        if not up:
+            raise ServiceUnavailableError("no replica is up", retry_after=self.config.retry_after)
+        start = time.perf_counter()
+        replica, hit = await self.policy.choose(token_ids, up)
+        self.decision_seconds += time.perf_counter() - start
+        self.num_decisions += 1
+        return replica, hit
+
+    async def _peek(self, r: Replica, token_ids: Sequence[int]) -> int:
+        """The oracle: the replica's own manager's hit for ``token_ids`` (0 if it cannot say)."""
+        try:
+            resp = await self.client.post(f"{r.spec.url}/kv_cache/peek", json={"prompt": list(token_ids)},
+                                          timeout=self.config.probe_timeout)
+            return int(resp.json()["cached_tokens"]) if resp.status_code == 200 else 0
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return 0
+
+    def served(self, r: Replica, prompt_len: int | None, predicted_hit: int) -> None:
+        """A response from ``r`` ended. If its prompt held two whole blocks past the hit the
+        index predicted, the replica computed and cached at least one new block: its
+        BlockStored should follow within ``events_timeout`` (see :meth:`check_silence`)."""
+        block_size = r.block_size
+        if r.has_events and prompt_len and block_size and prompt_len - predicted_hit >= 2 * block_size:
+            r.expect_event_by = time.monotonic() + self.config.events_timeout
+
+    @property
+    def uses_index(self) -> bool:
+        return self.policy.name in (PolicyName.HYBRID, PolicyName.FULL_ONLY)
