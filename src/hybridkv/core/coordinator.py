@@ -12,7 +12,9 @@ is valid for its attention type, and R stays its answer for any max_length in
 [R, max_length]. The coordinator starts from L = max_length and calls the managers
 (full attention first: its left-to-right scan bounds L cheaply) with the current L,
 lowering L to each answer, until a whole pass leaves L unchanged. Full attention is
-downward closed, so it is never asked again: its hit is cut to L at the end.
+downward closed, so it is never asked again: its hit is cut to L at the end. The
+fixed point is :func:`fixed_point_hit`, the one implementation of the rule: a router
+runs it over managers built on a remote index (:meth:`AttentionManager.detached`).
 
 Example (block 1, full + chunked C 2, max_length 5, cached blocks 0-2 only):
 full → 3; chunked(3) → chunk of token 3 starts at 2, block 2 hits → 3. L = 3.
@@ -30,7 +32,7 @@ from hybridkv.core.managers import AttentionManager, manager_class_for
 from hybridkv.core.request import Request
 from hybridkv.errors import InvalidArgumentError, InvariantViolation, StaleHitError
 
-__all__ = ["KVCacheCoordinator"]
+__all__ = ["KVCacheCoordinator", "fixed_point_hit", "hit_order"]
 
 PerGroup = tuple[list[KVCacheBlock], ...]
 
@@ -74,7 +76,7 @@ class KVCacheCoordinator:
             spec = kv_cache_config.groups[gids[0]].spec
             self.managers.append(manager_class_for(spec)(spec, gids, self.pool, enable_caching))
         # full attention first: cheapest bound on the hit length
-        self.find_order = sorted(self.managers, key=lambda m: not m.downward_closed)
+        self.find_order = hit_order(self.managers)
         self.skipping_managers = [m for m in self.managers if not m.downward_closed]
         # group id -> (manager, index of the group inside the manager)
         self.group_slot: list[tuple[AttentionManager, int]] = [None] * self.num_groups  # type: ignore[list-item]
@@ -95,11 +97,11 @@ class KVCacheCoordinator:
         """The hit as {manager: its first group's blocks (stripe leads, nulls)} and its length."""
         if not self.enable_caching or max_length < self.block_size:
             return {}, 0
-        found, length = self._fixed_point(block_hashes, max_length)
+        found, length = fixed_point_hit(self.find_order, block_hashes, max_length)
         if self.use_eagle and length > 0:
             # EAGLE recomputes at least the last hit block; the shorter hit must
             # itself be valid (chunked C 2, block 1: 4 null blocks → 2, not 3).
-            found, length = self._fixed_point(block_hashes, length - self.block_size)
+            found, length = fixed_point_hit(self.find_order, block_hashes, length - self.block_size)
         if length == 0:
             return {}, 0
         nblocks = length // self.block_size
@@ -191,23 +193,6 @@ class KVCacheCoordinator:
                 )
         return length or 0
 
-    def _fixed_point(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[dict, int]:
-        length = max_length
-        found: dict[AttentionManager, tuple[list[KVCacheBlock], int]] = {}
-        changed = True
-        while changed:
-            changed = False
-            for m in self.find_order:
-                prev = found.get(m)
-                if prev is not None and (m.downward_closed or prev[1] == length):
-                    continue
-                blocks, hit = m.longest_hit(block_hashes, length)
-                found[m] = (blocks, hit)
-                if hit < length:
-                    length = hit
-                    changed = True
-        return found, length
-
     # ----------------------------------------------------------- allocation
     def freed_needed_blocks(self, request_id: str, num_computed_tokens: int) -> bool:
         """True when some group already freed a block the next token would read."""
@@ -298,3 +283,46 @@ class KVCacheCoordinator:
                         if block.block_hash is not None and block.group_id != gid:
                             raise InvariantViolation(f"block {block.block_id} in group {gid} is cached for group {block.group_id}")
         self.pool.check_invariants(ref_counts)
+
+
+def hit_order(managers: Sequence[AttentionManager]) -> list[AttentionManager]:
+    """The order :func:`fixed_point_hit` asks managers in: downward-closed (full
+    attention) first, since its left-to-right scan bounds the length cheapest."""
+    return sorted(managers, key=lambda m: not m.downward_closed)
+
+
+def fixed_point_hit(
+    managers: Sequence[AttentionManager],
+    block_hashes: Sequence[BlockHash],
+    max_length: int,
+    hashes_of: dict | None = None,
+) -> tuple[dict, int]:
+    """The longest hit of at most ``max_length`` tokens valid for every manager:
+    ({manager: (its longest_hit blocks, its answer)}, length). The one implementation
+    of the rule, for the coordinator (over its pool) and for a router (over managers
+    made with :meth:`AttentionManager.detached` on a remote index).
+
+    ``managers`` in :func:`hit_order`. Starting from L = ``max_length``, each manager is
+    asked for its longest hit <= L and L drops to its answer, until a whole pass leaves
+    L unchanged; a downward-closed manager is asked once (its hit is cut to L by the
+    caller). ``hashes_of``: {manager: its block hashes} for managers whose block size
+    differs from the others' (default: ``block_hashes`` for all).
+
+    Example (block 1, full + chunked C 2, max_length 5, cached blocks 0-2 only):
+    full → 3; chunked(3) → chunk of token 3 starts at 2, block 2 hits → 3. L = 3.
+    """
+    length = max_length
+    found: dict[AttentionManager, tuple[list, int]] = {}
+    changed = True
+    while changed:
+        changed = False
+        for m in managers:
+            prev = found.get(m)
+            if prev is not None and (m.downward_closed or prev[1] == length):
+                continue
+            blocks, hit = m.longest_hit(block_hashes if hashes_of is None else hashes_of[m], length)
+            found[m] = (blocks, hit)
+            if hit < length:
+                length = hit
+                changed = True
+    return found, length

@@ -90,6 +90,21 @@ class AttentionManager(ABC):
             pool.stripe_groups(self.group_ids)
         self._map = pool.group_map(self.group_ids[0])  # hash -> block (stripe lead)
 
+    @classmethod
+    def detached(cls, spec: KVCacheSpec, lookup_map: dict, null: object = None) -> "AttentionManager":
+        """A manager of one group with no pool, whose hit search (``longest_hit``) reads
+        ``lookup_map`` (block hash -> any value but None or a dict, e.g. a count) in place
+        of a pool's prefix-cache map; positions it need not see hold ``null``. Only the
+        semantics (``longest_hit``, ``num_skipped_tokens``...) may be used: nothing is
+        allocated. The map is read live, so the caller keeps it up to date.
+
+        Example (block 2, sliding W 3 → runs of 1 block)::
+
+            m = SlidingWindowManager.detached(spec, {b"h1": 1})
+            m.longest_hit([b"h0", b"h1", b"h2"], 5)   # ([None, 1], 4)
+        """
+        return cls(spec, (0,), _DetachedPool(lookup_map, null))
+
     # ------------------------------------------------------------ semantics
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens no token from index ``num_computed_tokens`` on attends to."""
@@ -320,3 +335,16 @@ class AttentionManager(ABC):
                 for block in table:
                     if not block.is_null:
                         ref_counts[block.block_id] = ref_counts.get(block.block_id, 0) + 1
+
+
+class _DetachedPool:
+    """What a manager reads from its pool at construction, for :meth:`AttentionManager.detached`."""
+
+    __slots__ = ("null_block", "_map")
+
+    def __init__(self, lookup_map: dict, null: object):
+        self.null_block = null
+        self._map = lookup_map
+
+    def group_map(self, group_id: int) -> dict:
+        return self._map
