@@ -87,17 +87,21 @@ def run_app(llm, body, *, config=None, metrics=None, max_waiting: int = 64):
 class ServerProcess:
     """``python -m hybridkv serve`` in a subprocess; ``base_url`` once it is ready."""
 
-    def __init__(self, args: list[str], env: dict | None = None) -> None:
+    def __init__(self, args: list[str], env: dict | None = None, command: str = "serve", wait: bool = True) -> None:
         full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         full_env.update(env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hybridkv", "serve", *args],
+            [sys.executable, "-m", "hybridkv", command, *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env,
         )
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.base_url = ""
         threading.Thread(target=self._read, daemon=True).start()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         if not self._ready.wait(READY_TIMEOUT) or not self.base_url:
             self.kill()
             raise AssertionError(f"server not ready in {READY_TIMEOUT}s: {''.join(self.lines)[-2000:]}")

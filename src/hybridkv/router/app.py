@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 
 import httpx
 from fastapi import FastAPI, Request
@@ -109,6 +110,7 @@ def create_router_app(router: Router) -> FastAPI:
         stream = isinstance(body, dict) and body.get("stream") is True
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         tried: set[str] = set()
+        sent_at = time.monotonic()
         while True:
             replica, predicted = await router.choose(token_ids, tried)  # none up: 503
             replica.in_flight += 1
@@ -142,7 +144,7 @@ def create_router_app(router: Router) -> FastAPI:
             replica.in_flight -= 1
             metrics.requests.labels(replica.name, outcome).inc()
             if outcome == "ok":
-                router.served(replica, prompt_len, predicted)
+                router.served(replica, prompt_len, predicted, sent_at)
 
         if stream and upstream.status_code == 200:
             return StreamingResponse(_relay(upstream, replica, done, router), status_code=200, headers=out_headers)

@@ -78,7 +78,7 @@ class _Ranked:
 
     async def choose(self, token_ids, replicas):
         turn = next(self._turn)
-        if self._hit is None or not token_ids:
+        if self._hit is None or token_ids is None or not len(token_ids):
             hits = [0] * len(replicas)
         else:
             values = [self._hit(r, token_ids) for r in replicas]

@@ -21,7 +21,7 @@ from typing import Sequence
 from urllib.parse import urlsplit
 
 from hybridkv.errors import InvalidConfigError
-from hybridkv.router.index import ReplicaIndex
+from hybridkv.router.index import Prompt, ReplicaIndex
 
 __all__ = ["Replica", "ReplicaSpec"]
 
@@ -66,19 +66,20 @@ class Replica:
         self.num_resets: dict[str, int] = {}
         self.last_event_time: float | None = None
         self.expect_event_by: float | None = None  # a served request should have produced events by then
+        self.expect_since = 0.0  # ... events newer than this (when that request was sent)
 
     @property
     def has_events(self) -> bool:
         return self.spec.events is not None
 
     # ------------------------------------------------------------ index
-    def score(self, token_ids: Sequence[int]) -> int:
+    def score(self, token_ids: Sequence[int] | Prompt) -> int:
         if not self.up or self.stale:
             return 0
         with self.lock:
             return self.index.score(token_ids)
 
-    def score_full_only(self, token_ids: Sequence[int]) -> int:
+    def score_full_only(self, token_ids: Sequence[int] | Prompt) -> int:
         if not self.up or self.stale:
             return 0
         with self.lock:
@@ -90,13 +91,19 @@ class Replica:
             self.index.apply(events)
             self.last_event_time = time.monotonic()
             self.stale = False
-            self.expect_event_by = None
 
     def reset_index(self, reason: str) -> None:
         """Drop everything the index holds (a restart, an unfillable gap, down, silent)."""
         with self.lock:
             self.index.clear()
             self.num_resets[reason] = self.num_resets.get(reason, 0) + 1
+
+    @property
+    def block_size(self) -> int | None:
+        """The smallest block size among the groups its events described (None before any)."""
+        with self.lock:
+            sizes = [g.block_size for g in self.index.groups.values()]
+        return min(sizes) if sizes else None
 
     @property
     def num_blocks(self) -> int:

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import httpx
 
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, ServiceUnavailableError
+from hybridkv.router.index import Prompt
 from hybridkv.router.policy import PolicyName, make_policy
 from hybridkv.router.replica import Replica, ReplicaSpec
 
@@ -152,11 +153,15 @@ class Router:
         now = time.monotonic() if now is None else now
         for r in self.replicas:
             due = r.expect_event_by
-            if due is not None and now > due and r.up and not r.stale:
+            if due is None or now <= due:
+                continue
+            r.expect_event_by = None
+            if r.last_event_time is not None and r.last_event_time >= r.expect_since:
+                continue  # its events came (before or after the response)
+            if r.up and not r.stale:
                 log.warning("replica %s: no KV event %.1f s after a response; its index is dropped",
                             r.name, self.config.events_timeout)
                 r.stale = True
-                r.expect_event_by = None
                 r.reset_index("silent")
 
     # ------------------------------------------------------------ decisions
@@ -182,7 +187,10 @@ class Router:
                 prompt = prompts[0]
                 if isinstance(prompt, str) and self.tokenizer is None:
                     return None
-            return encode_prompt(self.tokenizer, prompt, 0)
+            ids = encode_prompt(self.tokenizer, prompt, 0)
+            if not all(type(t) is int and 0 <= t < 1 << 63 for t in ids):
+                return None  # the replica refuses it
+            return ids
         except (ValidationError, InvalidArgumentError, ValueError, TypeError):
             return None
 
@@ -194,7 +202,8 @@ class Router:
         if not up:
             raise ServiceUnavailableError("no replica is up", retry_after=self.config.retry_after)
         start = time.perf_counter()
-        replica, hit = await self.policy.choose(token_ids, up)
+        prompt = Prompt(token_ids) if token_ids else None  # hashed once, per block size, for every replica
+        replica, hit = await self.policy.choose(prompt, up)
         self.decision_seconds += time.perf_counter() - start
         self.num_decisions += 1
         return replica, hit
@@ -202,18 +211,22 @@ class Router:
     async def _peek(self, r: Replica, token_ids: Sequence[int]) -> int:
         """The oracle: the replica's own manager's hit for ``token_ids`` (0 if it cannot say)."""
         try:
-            resp = await self.client.post(f"{r.spec.url}/kv_cache/peek", json={"prompt": list(token_ids)},
+            ids = list(getattr(token_ids, "token_ids", token_ids))
+            resp = await self.client.post(f"{r.spec.url}/kv_cache/peek", json={"prompt": ids},
                                           timeout=self.config.probe_timeout)
             return int(resp.json()["cached_tokens"]) if resp.status_code == 200 else 0
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return 0
 
-    def served(self, r: Replica, prompt_len: int | None, predicted_hit: int) -> None:
-        """A response from ``r`` ended. If its prompt held two whole blocks past the hit the
-        index predicted, the replica computed and cached at least one new block: its
-        BlockStored should follow within ``events_timeout`` (see :meth:`check_silence`)."""
+    def served(self, r: Replica, prompt_len: int | None, predicted_hit: int, sent_at: float) -> None:
+        """A response from ``r``, sent at ``sent_at`` (monotonic), ended. If its prompt held two
+        whole blocks past the hit the index predicted, the replica computed and cached at
+        least one new block: a BlockStored newer than ``sent_at`` must arrive within
+        ``events_timeout`` of now (it may well have come before the response ended)."""
         block_size = r.block_size
         if r.has_events and prompt_len and block_size and prompt_len - predicted_hit >= 2 * block_size:
+            if r.expect_event_by is None:
+                r.expect_since = sent_at
             r.expect_event_by = time.monotonic() + self.config.events_timeout
 
     @property
