@@ -252,7 +252,8 @@ class ReplicaIndex:
         for i, rh in enumerate(hashes):
             ours = chain_get(rh) or old_get(rh)  # hashed before (another group, an earlier run)
             if ours is None:
-                keys = ("lora", lora, extra[i]) if lora is not None or (extra is not None and extra[i]) else None
+                key = extra[i] if extra is not None else None
+                keys = ("lora", lora, key) if lora is not None or key else None
                 try:
                     ours = hash_block_tokens(fn, parent, tokens[i * bs:(i + 1) * bs], keys)
                 except HybridKVError:  # token ids outside [0, 2**63)
