@@ -136,7 +136,7 @@ class SparseOnlyIndexMachine(IndexOracle, SparseOnlyMachine):
     pass
 
 
-_SETTINGS = settings(max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_SETTINGS = settings(max_examples=30, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestHybridIndex = HybridIndexMachine.TestCase
 TestHybridIndex.settings = _SETTINGS
 TestMixedStripeIndex = MixedStripeIndexMachine.TestCase

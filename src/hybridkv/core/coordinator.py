@@ -305,8 +305,10 @@ def fixed_point_hit(
     ``managers`` in :func:`hit_order`. Starting from L = ``max_length``, each manager is
     asked for its longest hit <= L and L drops to its answer, until a whole pass leaves
     L unchanged; a downward-closed manager is asked once (its hit is cut to L by the
-    caller). ``hashes_of``: {manager: its block hashes} for managers whose block size
-    differs from the others' (default: ``block_hashes`` for all).
+    caller). ``hashes_of``: {manager: its block hashes} when the managers' block sizes
+    differ (default: ``block_hashes`` for all, one block size); then every manager is
+    asked again whenever L drops below its answer, so L ends whole blocks of each
+    (full block 4 → 4, full block 2 → 2: the block-4 manager is asked at 2 → 0).
 
     Example (block 1, full + chunked C 2, max_length 5, cached blocks 0-2 only):
     full → 3; chunked(3) → chunk of token 3 starts at 2, block 2 hits → 3. L = 3.
@@ -318,7 +320,7 @@ def fixed_point_hit(
         changed = False
         for m in managers:
             prev = found.get(m)
-            if prev is not None and (m.downward_closed or prev[1] == length):
+            if prev is not None and (prev[1] == length or (m.downward_closed and hashes_of is None)):
                 continue
             blocks, hit = m.longest_hit(block_hashes if hashes_of is None else hashes_of[m], length)
             found[m] = (blocks, hit)

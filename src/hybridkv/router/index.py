@@ -225,10 +225,6 @@ class ReplicaIndex:
             self.num_bad_events += 1
             return
         gid = 0 if e.group_idx is None else e.group_idx
-        parent = self._seed if e.parent_block_hash is None else self._our_hash(e.parent_block_hash)
-        if parent is None:  # the chain before this run is unknown: its tokens name no prefix we can key
-            self.num_bad_events += 1
-            return
         kind, span = e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window
         info = GroupInfo(kind, None if kind in FULL_KINDS else span, bs)
         group = self._groups.get(gid)
@@ -243,6 +239,10 @@ class ReplicaIndex:
                 info = GroupInfo(kind, info.span, bs, scored=False)
             group = self._groups[gid] = _Group(info, spec)
             self._rebuild()
+        parent = self._seed if e.parent_block_hash is None else self._our_hash(e.parent_block_hash)
+        if parent is None:  # the chain before this run is unknown: its tokens name no prefix we can key
+            self.num_bad_events += 1
+            return
         lora, extra = e.lora_name, e.extra_keys
         if extra is not None and len(extra) != len(hashes):
             extra = [tuple(extra)] * len(hashes)
