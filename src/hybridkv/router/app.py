@@ -197,7 +197,7 @@ async def _relay(upstream: httpx.Response, replica: Replica, done, router: Route
     error event and ``[DONE]``; a client that leaves closes the upstream (the replica aborts)."""
     outcome = "ok"
     try:
-        async for chunk in upstream.aiter_raw():
+        async for chunk in upstream.aiter_bytes():  # decoded: content-encoding is not passed on
             yield chunk
     except httpx.HTTPError as exc:
         outcome = "error"

@@ -67,7 +67,8 @@ async def _no_oracle(replica, ids):  # pragma: no cover - only for the config ch
 class Router:
     """See the module docstring."""
 
-    def __init__(self, specs: Sequence[ReplicaSpec], config: RouterConfig = RouterConfig(), tokenizer: Any = None):
+    def __init__(self, specs: Sequence[ReplicaSpec], config: RouterConfig = RouterConfig(), tokenizer: Any = None,
+                 transport: httpx.AsyncBaseTransport | None = None):
         if not specs:
             raise InvalidConfigError("the router needs at least one --replica")
         urls = [s.url for s in specs]
@@ -78,6 +79,7 @@ class Router:
         self.replicas = [Replica(f"r{i}", s) for i, s in enumerate(specs)]
         self.policy = make_policy(config.policy, max_imbalance=config.max_imbalance, oracle=self._peek)
         self.client: httpx.AsyncClient | None = None
+        self._transport = transport  # tests: fake replicas (httpx.MockTransport)
         self._streams: list[Any] = []
         self._tasks: list[asyncio.Task] = []
         self.num_decisions = 0
@@ -86,7 +88,8 @@ class Router:
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.request_timeout, connect=5.0), limits=limits)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.request_timeout, connect=5.0), limits=limits,
+                                        transport=self._transport)
         for r in self.replicas:
             if r.has_events:
                 self._streams.append(self._start_events(r))

@@ -1,0 +1,198 @@
+"""The router's proxy in-process, over fake replicas (httpx.MockTransport): pass-through,
+retries on refused connections, clean 502/503s, and the policies' one pick rule."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+
+from hybridkv.router.policy import make_policy, pick  # noqa: E402
+from hybridkv.router.replica import Replica, ReplicaSpec  # noqa: E402
+from hybridkv.router.router import Router, RouterConfig  # noqa: E402
+
+SSE = b'data: {"choices":[{"index":0,"text":"a"}]}\n\ndata: [DONE]\n\n'
+
+
+class FakeReplicas:
+    """Replicas at http://rN:8000: ``dead`` refuse connections, ``broken`` die mid-stream."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.dead: set[str] = set()
+        self.broken: set[str] = set()
+        self.seen: list[tuple[str, str, dict]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if host in self.dead:
+            raise httpx.ConnectError("connection refused", request=request)
+        path = request.url.path
+        if path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        if path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m"}]})
+        body = json.loads(request.content)
+        self.seen.append((host, path, body))
+        if body.get("max_tokens") == 0:
+            return httpx.Response(400, json={"error": {"message": "max_tokens", "type": "invalid_request_error",
+                                                       "param": "max_tokens", "code": None}})
+        if body.get("stream"):
+            if host in self.broken:
+                return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Broken())
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=SSE)
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": host}], "usage": {}})
+
+
+class _Broken(httpx.AsyncByteStream):
+    async def __aiter__(self):
+        yield b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
+        raise httpx.ReadError("connection reset")
+
+
+def _run(fake: FakeReplicas, body, policy: str = "least-loaded"):
+    from hybridkv.router.app import create_router_app
+
+    router = Router([ReplicaSpec(f"http://r{i}:8000") for i in range(fake.n)],
+                    RouterConfig(policy=policy, health_interval=60), transport=httpx.MockTransport(fake))
+    app = create_router_app(router)
+
+    async def main():
+        await router.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router",
+                                         timeout=30) as client:
+                return await body(client, router)
+        finally:
+            await router.stop()
+
+    return asyncio.run(main())
+
+
+def test_requests_pass_through_with_the_routing_headers():
+    fake = FakeReplicas(3)
+
+    async def body(client, router):
+        plain = [await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}) for _ in range(3)]
+        bad = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
+        stream = await client.post("/v1/chat/completions", json={"messages": [], "stream": True})
+        models = await client.get("/v1/models")
+        return plain, bad, stream, models
+
+    plain, bad, stream, models = _run(fake, body, "round-robin")
+    assert [r.headers["x-hybridkv-replica"] for r in plain] == ["r0", "r1", "r2"]
+    assert [r.json()["choices"][0]["text"] for r in plain] == ["r0", "r1", "r2"]
+    assert all(r.headers["x-hybridkv-predicted-hit"] == "0" for r in plain)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"  # the replica's own answer
+    assert stream.status_code == 200 and stream.content == SSE
+    assert stream.headers["content-type"].startswith("text/event-stream")
+    assert models.json()["data"][0]["id"] == "m"
+    assert [path for _, path, _ in fake.seen] == ["/v1/completions"] * 4 + ["/v1/chat/completions"]
+
+
+def test_a_refused_connection_marks_the_replica_down_and_goes_elsewhere():
+    fake = FakeReplicas(3)
+
+    async def body(client, router):
+        fake.dead.add("r0")
+        first = await client.post("/v1/completions", json={"prompt": "x"})
+        up = [r.up for r in router.replicas]
+        fake.dead.update({"r1", "r2"})
+        none = await client.post("/v1/completions", json={"prompt": "x"})
+        health = await client.get("/health")
+        fake.dead.clear()
+        await router.probe_all()
+        back = await client.post("/v1/completions", json={"prompt": "x"})
+        return first, up, none, health, back
+
+    first, up, none, health, back = _run(fake, body)
+    assert first.status_code == 200 and first.headers["x-hybridkv-replica"] in ("r1", "r2")
+    assert up == [False, True, True]
+    assert none.status_code == 503 and none.headers["retry-after"] == "1"
+    assert none.json()["error"]["type"] == "server_overloaded"
+    assert health.status_code == 503
+    assert back.status_code == 200
+
+
+def test_a_replica_failing_mid_stream_ends_the_stream_with_an_error():
+    fake = FakeReplicas(1)
+    fake.broken.add("r0")
+
+    async def body(client, router):
+        r = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+        return r, router.replicas[0].in_flight
+
+    r, in_flight = _run(fake, body)
+    assert r.status_code == 200
+    events = [b for b in r.text.split("\n\n") if b.strip()]
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2][len("data: "):])
+    assert err["error"]["code"] == 502 and err["error"]["type"] == "server_error"
+    assert in_flight == 0
+
+
+def test_bad_bodies_are_400_and_unknown_routes_404():
+    fake = FakeReplicas(1)
+
+    async def body(client, router):
+        return (await client.post("/v1/completions", content=b"{nope"),
+                await client.get("/v1/nothing"),
+                await client.get("/router/replicas"))
+
+    bad, missing, replicas = _run(fake, body)
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "malformed JSON body"
+    assert missing.status_code == 404 and "error" in missing.json()
+    assert replicas.json()["replicas"][0]["url"] == "http://r0:8000"
+    assert not fake.seen
+
+
+def test_replica_specs_are_checked():
+    from hybridkv.errors import InvalidConfigError
+
+    assert ReplicaSpec.parse("http://h:1,tcp://h:2,tcp://h:3") == ReplicaSpec("http://h:1", "tcp://h:2", "tcp://h:3")
+    for bad in ("", "h:1", "ftp://h", "http://h:1,,", "http://h:1,udp://x", "http://h,tcp://a,tcp://b,tcp://c"):
+        with pytest.raises(InvalidConfigError):
+            ReplicaSpec.parse(bad)
+    with pytest.raises(InvalidConfigError):
+        Router([ReplicaSpec("http://h:1"), ReplicaSpec("http://h:1")])
+    with pytest.raises(InvalidConfigError):
+        RouterConfig(policy="random")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_pick_takes_the_largest_hit_within_the_imbalance(seed):
+    rng = random.Random(seed)
+    replicas = [Replica(f"r{i}", ReplicaSpec(f"http://r{i}:1")) for i in range(rng.randint(1, 6))]
+    for r in replicas:
+        r.in_flight = rng.randint(0, 12)
+    hits = [rng.choice([0, 0, 16, 32, 64]) for _ in replicas]
+    imbalance = rng.randint(0, 5)
+    chosen, hit = pick(replicas, hits, imbalance, rng.randint(0, 9))
+    least = min(r.in_flight for r in replicas)
+    eligible = [(h, r) for h, r in zip(hits, replicas) if r.in_flight <= least + imbalance]
+    assert chosen.in_flight <= least + imbalance
+    assert hit == hits[replicas.index(chosen)] == max(h for h, _ in eligible)
+    assert chosen.in_flight == min(r.in_flight for h, r in eligible if h == hit)
+
+
+def test_least_loaded_and_round_robin_spread_requests():
+    replicas = [Replica(f"r{i}", ReplicaSpec(f"http://r{i}:1")) for i in range(3)]
+
+    async def main():
+        ll, rr = make_policy("least-loaded"), make_policy("round-robin")
+        seen_ll, seen_rr = [], []
+        for _ in range(6):
+            r, _ = await ll.choose([1, 2, 3], replicas)
+            r.in_flight += 1
+            seen_ll.append(r.name)
+            seen_rr.append((await rr.choose(None, replicas))[0].name)
+        return seen_ll, seen_rr
+
+    seen_ll, seen_rr = asyncio.run(main())
+    assert sorted(seen_ll) == ["r0", "r0", "r1", "r1", "r2", "r2"]
+    assert seen_rr == ["r0", "r1", "r2"] * 2
