@@ -42,8 +42,11 @@ successor to reveal its gap, and an idle replica that restarted has no new batch
 go backwards. Every answer, even an empty one, sets ``last_message_time``, so with a
 replay endpoint an idle but alive replica never looks silent.
 
-Limit: a restarted replica whose new stream already went past the old one's last
-number before the SUB reconnected, with no replay endpoint, cannot be told from a gap.
+After the SUB (re)connects, the first live batch is checked against the replay even
+when its number is the expected one: a restarted replica whose new stream reached the
+old stream's next number before the SUB reconnected is still caught. Without a replay
+endpoint that case cannot be told from a network blip (nor a new stream that went
+past the old one's last number from a gap).
 
 Usage (callbacks run in the events thread: guard shared state with a lock)::
 
@@ -113,6 +116,7 @@ class ReplicaEvents:
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.replay_timeout, self.idle_replay = float(replay_timeout), idle_replay
         self._on_batch, self._on_reset = on_batch, on_reset
+        self._topic = topic.encode()
         self.last_message_time: float | None = None
         self.last_seq: int | None = None
         self.num_batches = self.num_replayed = self.num_gaps_filled = self.num_resets = 0
@@ -120,8 +124,11 @@ class ReplicaEvents:
         self._expected = 0  # the sequence number wanted next
         self._fresh = True  # nothing delivered since the last reset: a hole before the next batch is no gap
         self._last_hash: int | None = None  # hash of the last payload delivered (restart check in replays)
-        self._replayed: deque[tuple[int, int]] = deque()  # (seq, hash) from idle replays, maybe still coming live
+        # (seq, hash) of batches the idle probe replayed that may still come live (bounded: a SUB that never
+        # receives, e.g. a wrong topic, must not grow it; a duplicate older than that would read as a restart)
+        self._replayed: deque[tuple[int, int]] = deque(maxlen=65_536)
         self._resync = False
+        self._verify = False  # the SUB (re)connected: check the next batch continues the stream
         self._stop = threading.Event()
         self._closed = False
         self._close_lock = threading.Lock()
@@ -130,7 +137,9 @@ class ReplicaEvents:
         try:
             self._sub = self._connect(zmq.SUB, endpoint, "endpoint")
             self._sub.setsockopt(zmq.RCVHWM, hwm)
-            self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+            # (re)connections: the first batch after one may come from a restarted replica (see _on_message)
+            self._monitor = self._sub.get_monitor_socket(zmq.EVENT_CONNECTED)
             if replay_endpoint is not None:
                 self._dealer = self._connect(zmq.DEALER, replay_endpoint, "replay endpoint")
         except InvalidConfigError:
@@ -141,13 +150,15 @@ class ReplicaEvents:
 
     def _connect(self, kind: int, endpoint: str, what: str) -> zmq.Socket:
         if not isinstance(endpoint, str) or not endpoint.startswith(_SCHEMES):
-            raise InvalidConfigError(f"replica {self.name}: KV events {what} must be tcp://host:port, ipc:// or inproc://, got {endpoint!r}")
+            raise InvalidConfigError(
+                f"replica {self.name}: KV events {what} must be tcp://host:port, ipc:// or inproc://, got {endpoint!r}")
         sock = self._ctx.socket(kind)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as e:
             sock.close(linger=0)
-            raise InvalidConfigError(f"replica {self.name}: cannot connect to KV events {what} {endpoint!r}: {e.strerror}") from None
+            raise InvalidConfigError(
+                f"replica {self.name}: cannot connect to KV events {what} {endpoint!r}: {e.strerror}") from None
         return sock
 
     # ------------------------------------------------------------ caller side
@@ -166,6 +177,7 @@ class ReplicaEvents:
         if self._thread.is_alive():  # stuck in a callback: the sockets are its own, leave them
             logger.warning("replica %s: KV events thread did not stop in %.0f s", self.name, self.JOIN_TIMEOUT)
             return
+        self._sub.disable_monitor()
         self._ctx.destroy(linger=0)
 
     def __enter__(self) -> "ReplicaEvents":
@@ -187,6 +199,9 @@ class ReplicaEvents:
                     self._catch_up(None)
                     next_probe = float("inf") if self.idle_replay is None else time.monotonic() + self.idle_replay
                 if self._sub.poll(self.POLL_S * 1000):
+                    while self._monitor.poll(0):
+                        self._monitor.recv_multipart()
+                        self._verify = True
                     frames = self._sub.recv_multipart(zmq.NOBLOCK)
                     self.last_message_time = time.monotonic()
                     if self.idle_replay is not None:
@@ -206,17 +221,20 @@ class ReplicaEvents:
         if replayed and replayed[0][0] == seq:
             if replayed.popleft()[1] == hash(payload) and seq < self._expected:
                 return  # had it from the replay
+        verify, self._verify = self._verify and self._last_hash is not None, False
         if seq < self._expected:
             self._restart("restart")
-        if seq > self._expected:
+        if seq > self._expected or verify:  # (the catch-up checks batch seq - 1 against the replay)
             self._catch_up(seq)
+            if self._stop.is_set():  # the replay wait was cut short by close(): not a gap
+                return
         self._take(seq, payload)
 
     def _catch_up(self, stop: int | None) -> None:
         """Deliver what the replay holds from ``_expected`` on (up to ``stop``, excluded)."""
         if self._dealer is None:
             return
-        was_fresh, resets = self._fresh, self.num_resets
+        gap, resets = stop is not None and stop > self._expected and not self._fresh, self.num_resets
         for _ in range(2):  # a second time after finding a restart
             check = self._expected - 1 if self._last_hash is not None else None
             answer = self._request(self._expected if check is None else check)
@@ -237,7 +255,7 @@ class ReplicaEvents:
                     self.num_replayed += 1
                     self._take(seq, payload)
             break
-        if stop is not None and not was_fresh and self._expected == stop and self.num_resets == resets:
+        if gap and self._expected == stop and self.num_resets == resets:
             self.num_gaps_filled += 1
 
     def _request(self, start: int) -> list[tuple[int, bytes]] | None:
@@ -256,10 +274,12 @@ class ReplicaEvents:
                     self._bad(f"replay answer of {len(frames)} frames")
                 elif frames[2] == END_SEQ:
                     return out
-                else:
+                elif frames[1].startswith(self._topic):
                     out.append((int.from_bytes(frames[2], "big"), frames[3]))
         except zmq.ZMQError as e:
             logger.warning("replica %s: replay request failed: %s", self.name, e.strerror)
+        if self._stop.is_set():
+            return None
         # a late answer must not be read as the next one's: start over with a new socket
         logger.debug("replica %s: no replay answer in %.1f s", self.name, self.replay_timeout)
         dealer.close(linger=0)
@@ -297,9 +317,11 @@ class ReplicaEvents:
         except Exception:  # noqa: BLE001
             self.num_callback_errors += 1
             if _power_of_two(self.num_callback_errors):
-                logger.exception("replica %s: KV events callback failed (%d so far)", self.name, self.num_callback_errors)
+                logger.exception("replica %s: KV events callback failed (%d so far)", self.name,
+                                 self.num_callback_errors)
 
     def _bad(self, what: str) -> None:
         self.num_bad_messages += 1
         if _power_of_two(self.num_bad_messages):
-            logger.warning("replica %s: bad KV events message skipped: %s (%d so far)", self.name, what, self.num_bad_messages)
+            logger.warning("replica %s: bad KV events message skipped: %s (%d so far)", self.name, what,
+                           self.num_bad_messages)
