@@ -132,3 +132,25 @@ def test_router_routes_by_hybrid_hits_and_survives_a_replica_restart(cluster):
     for p in [r.proc for r in replicas]:
         assert p.stop() == 0
     assert router.stop() == 0
+
+
+def test_route_bad_options_are_one_line_exit_2(tiny_dir):  # noqa: F811
+    import os
+    import subprocess
+    import sys
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        for args in ([], ["--replica", "localhost:8000"], ["--replica", "http://h:1,udp://x"],
+                     ["--replica", "http://127.0.0.1:1", "--policy", "random"],
+                     ["--replica", "http://127.0.0.1:1", "--port", str(busy.getsockname()[1])],
+                     ["--replica", "http://127.0.0.1:1", "--model", "/nonexistent"]):
+            r = subprocess.run([sys.executable, "-m", "hybridkv", "route", *args], capture_output=True, text=True,
+                               timeout=60, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("hybridkv route: error:"), \
+                (args, r.stderr)
+    finally:
+        busy.close()

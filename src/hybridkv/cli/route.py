@@ -34,7 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                               description="A KV-cache-aware OpenAI-compatible proxy over hybridkv serve (or "
                                           "vLLM-event-publishing) replicas.")
     p.add_argument("--replica", action="append", default=[], metavar="URL[,EVENTS[,REPLAY]]",
-                   help="a replica's base URL, its KV events endpoint and replay endpoint; repeatable")
+                   help="a replica's base URL, its KV events endpoint and replay endpoint; repeatable (default: none; "
+                        "at least one is needed)")
     p.add_argument("--model", default=None, metavar="MODEL",
                    help="the replicas' model, for its tokenizer (default: none: hits are not predicted for text)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -48,7 +49,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="seconds between replica health probes (default 1)")
     p.add_argument("--events-timeout", type=finite_float(0.0, low_open=True), default=5.0,
                    help="seconds a replica's events may lag a response before its index is dropped (default 5)")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
+                   help="router log level (default warning)")
     p.set_defaults(func=run)
     return p
 
@@ -68,7 +70,7 @@ def _tokenizer(model: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from hybridkv.cli.serve import _bind, _require_server_dependencies
+    from hybridkv.cli.http_server import bind_socket, require_server_dependencies, uvicorn_server
     from hybridkv.router.replica import ReplicaSpec
     from hybridkv.router.router import Router, RouterConfig
 
@@ -77,21 +79,20 @@ def run(args: argparse.Namespace) -> int:
     specs = [ReplicaSpec.parse(text) for text in args.replica]
     config = RouterConfig(policy=args.policy, max_imbalance=args.max_imbalance, health_interval=args.health_interval,
                           events_timeout=args.events_timeout)
-    _require_server_dependencies(any(s.events for s in specs))
+    require_server_dependencies(any(s.events for s in specs))
     tokenizer = _tokenizer(args.model)
     router = Router(specs, config, tokenizer)
-    sock = _bind(args.host, args.port)
+    sock = bind_socket(args.host, args.port)
     try:
         import uvicorn
 
-        from hybridkv.cli.serve import _uvicorn_server
         from hybridkv.router.app import create_router_app
 
         logging.basicConfig(level=args.log_level.upper(), format=f"{PREFIX}: %(levelname)s %(message)s")
         app = create_router_app(router)
         host, port = sock.getsockname()[:2]
         ready = f"{PREFIX}: listening on http://{host}:{port} ({len(specs)} replicas, policy {config.policy})"
-        server = _uvicorn_server(uvicorn.Config(app, log_level=args.log_level, access_log=False), None, None, ready)
+        server = uvicorn_server(uvicorn.Config(app, log_level=args.log_level, access_log=False), None, None, ready)
         server.run(sockets=[sock])
     finally:
         sock.close()

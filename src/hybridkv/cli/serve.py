@@ -19,18 +19,15 @@ or instead of serving.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import logging
-import signal
 import socket
 import sys
-import threading
 
 from hybridkv.cli.generate import _check_pool, _require_engine_dependencies, add_engine_options, engine_config
+from hybridkv.cli.http_server import bind_socket, require_server_dependencies, uvicorn_server
 from hybridkv.cli.model_dir import resolve_model_source
 from hybridkv.cli.options import finite_float, int_range
-from hybridkv.errors import InvalidArgumentError, InvalidConfigError
+from hybridkv.errors import InvalidArgumentError
 
 __all__ = ["add_parser", "run"]
 
@@ -67,35 +64,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def _require_server_dependencies(kv_events: bool) -> None:
-    needed = ["fastapi", "uvicorn", "prometheus_client"] + (["zmq", "msgspec"] if kv_events else [])
-    for module in needed:
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            raise InvalidConfigError(
-                f"serve needs {module}, which is not installed: pip install 'hybridkv[server]'"
-            ) from None
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise InvalidArgumentError(f"--host {host!r}: {exc.strerror}") from None
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise InvalidArgumentError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
 def _model_name(args: argparse.Namespace, source) -> str:
     """--served-model-name, else an installed model's name, a GGUF file's stem, a directory's name."""
     from pathlib import Path
@@ -120,13 +88,13 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.num_blocks is not None and args.kv_cache_memory is not None:
         raise InvalidArgumentError("give --num-blocks or --kv-cache-memory, not both")
-    _require_server_dependencies(config.kv_events is not None)
+    require_server_dependencies(config.kv_events is not None)
     _require_engine_dependencies()
     from hybridkv.planner.presets import load_model_config
 
     loaded = load_model_config(source.path)
     _check_pool(args, loaded.config, loaded.label)
-    sock = _bind(config.host, config.port)  # a port in use is refused before the model loads
+    sock = bind_socket(config.host, config.port)  # a port in use is refused before the model loads
     try:
         return _serve(args, config, source, sock)
     finally:
@@ -169,7 +137,7 @@ def _serve(args: argparse.Namespace, config, source, sock: socket.socket) -> int
         ready += f"; KV events on {publisher.endpoint}"
         if publisher.replay_endpoint is not None:
             ready += f", replay on {publisher.replay_endpoint}"
-    server = _uvicorn_server(
+    server = uvicorn_server(
         uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=int(config.drain_timeout) + 5,
                        access_log=args.log_level in ("debug", "info")),
         front, config, ready,
@@ -181,43 +149,3 @@ def _serve(args: argparse.Namespace, config, source, sock: socket.socket) -> int
     free, usable = app.state.final_blocks
     print(f"{PREFIX}: stopped; {free} of {usable} KV cache blocks free", file=sys.stderr, flush=True)
     return 0 if free == usable else 1
-
-
-def _uvicorn_server(uv_config, front, config, ready_line: str):
-    """uvicorn's server, printing ``ready_line`` once it listens and turning SIGTERM into an
-    orderly stop: admission closed first, then drain (with a timer) or abort (with ``front``
-    None, the router's, only the first)."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            # uvicorn re-raises a caught SIGTERM once it has stopped, which would kill the
-            # process before it reports the pool; ours stops and exits with a status instead
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-        async def startup(self, sockets=None):
-            await super().startup(sockets)
-            if self.started:
-                print(ready_line, file=sys.stderr, flush=True)
-
-        def handle_exit(self, sig, frame):
-            if not self.should_exit and front is not None:
-                front.close_admission()
-                if config.shutdown == "abort":
-                    front.abort_all()
-                else:
-                    timer = threading.Timer(config.drain_timeout, front.abort_all)
-                    timer.daemon = True
-                    timer.start()
-            super().handle_exit(sig, frame)
-
-    return Server(uv_config)

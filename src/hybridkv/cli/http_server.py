@@ -1,0 +1,85 @@
+"""What ``hybridkv serve`` and ``hybridkv route`` share: the server extra's check, a bound
+listening socket (port 0: an ephemeral one, refused with one line when in use), and
+uvicorn's server with our ready line and SIGTERM handling."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import signal
+import socket
+import sys
+import threading
+
+from hybridkv.errors import InvalidArgumentError, InvalidConfigError
+
+__all__ = ["bind_socket", "require_server_dependencies", "uvicorn_server"]
+
+
+def require_server_dependencies(kv_events: bool) -> None:
+    needed = ["fastapi", "uvicorn", "prometheus_client"] + (["zmq", "msgspec"] if kv_events else [])
+    for module in needed:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise InvalidConfigError(
+                f"serve needs {module}, which is not installed: pip install 'hybridkv[server]'"
+            ) from None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InvalidArgumentError(f"--host {host!r}: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise InvalidArgumentError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def uvicorn_server(uv_config, front, config, ready_line: str):
+    """uvicorn's server, printing ``ready_line`` once it listens and turning SIGTERM into an
+    orderly stop: admission closed first, then drain (with a timer) or abort (with ``front``
+    None, the router's, only the first)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises a caught SIGTERM once it has stopped, which would kill the
+            # process before it reports the pool; ours stops and exits with a status instead
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                print(ready_line, file=sys.stderr, flush=True)
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit and front is not None:
+                front.close_admission()
+                if config.shutdown == "abort":
+                    front.abort_all()
+                else:
+                    timer = threading.Timer(config.drain_timeout, front.abort_all)
+                    timer.daemon = True
+                    timer.start()
+            super().handle_exit(sig, frame)
+
+    return Server(uv_config)
