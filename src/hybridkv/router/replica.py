@@ -67,6 +67,7 @@ class Replica:
         self.last_event_time: float | None = None
         self.expect_event_by: float | None = None  # a served request should have produced events by then
         self.expect_since = 0.0  # ... events newer than this (when that request was sent)
+        self.events = None  # its ReplicaEvents thread, when it publishes events
 
     @property
     def has_events(self) -> bool:

@@ -92,7 +92,8 @@ class Router:
                                         transport=self._transport)
         for r in self.replicas:
             if r.has_events:
-                self._streams.append(self._start_events(r))
+                r.events = self._start_events(r)
+                self._streams.append(r.events)
         await self.probe_all()
         self._tasks.append(asyncio.create_task(self._health_loop()))
 
@@ -150,7 +151,14 @@ class Router:
         if r.up:
             log.warning("replica %s (%s) is down (%s)", r.name, r.spec.url, reason)
         r.up = False
-        r.reset_index("down")
+        self.drop_index(r, "down")
+
+    def drop_index(self, r: Replica, reason: str) -> None:
+        """Clear ``r``'s index and ask its events for everything again from the replay: the
+        index rebuilds as far as the replica's replay buffer reaches back."""
+        r.reset_index(reason)
+        if r.events is not None:
+            r.events.resync()
 
     def check_silence(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -165,7 +173,7 @@ class Router:
                 log.warning("replica %s: no KV event %.1f s after a response; its index is dropped",
                             r.name, self.config.events_timeout)
                 r.stale = True
-                r.reset_index("silent")
+                self.drop_index(r, "silent")
 
     # ------------------------------------------------------------ decisions
     def prompt_ids(self, body: Any, chat: bool) -> list[int] | None:
