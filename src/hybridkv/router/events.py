@@ -42,11 +42,13 @@ successor to reveal its gap, and an idle replica that restarted has no new batch
 go backwards. Every answer, even an empty one, sets ``last_message_time``, so with a
 replay endpoint an idle but alive replica never looks silent.
 
-After the SUB (re)connects, the first live batch is checked against the replay even
-when its number is the expected one: a restarted replica whose new stream reached the
-old stream's next number before the SUB reconnected is still caught. Without a replay
-endpoint that case cannot be told from a network blip (nor a new stream that went
-past the old one's last number from a gap).
+After the SUB reconnects (seen on a socket monitor), live batches are checked against
+the replay until one matches it, even when their number is the expected one: a
+restarted replica whose new stream reached the old stream's next number before the SUB
+reconnected is still caught, and batches of the dead stream still queued are dropped.
+Without a replay endpoint neither can be told (nor a new stream that went past the old
+one's last number from a gap). A replay whose buffer moved past the last batch
+delivered cannot confirm it: assumed the same stream, except after a reconnect (reset).
 
 Usage (callbacks run in the events thread: guard shared state with a lock)::
 
