@@ -42,11 +42,13 @@ successor to reveal its gap, and an idle replica that restarted has no new batch
 go backwards. Every answer, even an empty one, sets ``last_message_time``, so with a
 replay endpoint an idle but alive replica never looks silent.
 
-After the SUB (re)connects, the first live batch is checked against the replay even
-when its number is the expected one: a restarted replica whose new stream reached the
-old stream's next number before the SUB reconnected is still caught. Without a replay
-endpoint that case cannot be told from a network blip (nor a new stream that went
-past the old one's last number from a gap).
+After the SUB reconnects (seen on a socket monitor), live batches are checked against
+the replay until one matches it, even when their number is the expected one: a
+restarted replica whose new stream reached the old stream's next number before the SUB
+reconnected is still caught, and batches of the dead stream still queued are dropped.
+Without a replay endpoint neither can be told (nor a new stream that went past the old
+one's last number from a gap). A replay whose buffer moved past the last batch
+delivered cannot confirm it: assumed the same stream, except after a reconnect (reset).
 
 Usage (callbacks run in the events thread: guard shared state with a lock)::
 
@@ -62,7 +64,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from typing import Any, Callable
 
 import zmq
@@ -75,6 +76,7 @@ __all__ = ["ReplicaEvents"]
 logger = logging.getLogger(__name__)
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
+_ABSENT = object()  # a replay's view of a batch it has no such number for
 
 
 def _power_of_two(n: int) -> bool:
@@ -94,6 +96,7 @@ class ReplicaEvents:
 
     JOIN_TIMEOUT = 5.0
     POLL_S = 0.05
+    MAX_REPLAYED = 65_536
 
     def __init__(
         self,
@@ -124,39 +127,39 @@ class ReplicaEvents:
         self._expected = 0  # the sequence number wanted next
         self._fresh = True  # nothing delivered since the last reset: a hole before the next batch is no gap
         self._last_hash: int | None = None  # hash of the last payload delivered (restart check in replays)
-        # (seq, hash) of batches the idle probe replayed that may still come live (bounded: a SUB that never
-        # receives, e.g. a wrong topic, must not grow it; a duplicate older than that would read as a restart)
-        self._replayed: deque[tuple[int, int]] = deque(maxlen=65_536)
+        # seq -> hash of the batches delivered from the replay that may still come live, ascending (bounded: a
+        # SUB that never receives, e.g. a wrong topic, must not grow it; a duplicate older would read as a restart)
+        self._replayed: dict[int, int] = {}
         self._resync = False
-        self._verify = False  # the SUB (re)connected: check the next batch continues the stream
+        self._verify = False  # the SUB reconnected: check live batches against the replay until one matches
+        self._connected = False
         self._stop = threading.Event()
         self._closed = False
         self._close_lock = threading.Lock()
         self._ctx = zmq.Context()
         self._dealer: zmq.Socket | None = None
         try:
-            self._sub = self._connect(zmq.SUB, endpoint, "endpoint")
+            self._sub = self._ctx.socket(zmq.SUB)  # options and monitor first: they apply to later connections
             self._sub.setsockopt(zmq.RCVHWM, hwm)
             self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
             # (re)connections: the first batch after one may come from a restarted replica (see _on_message)
             self._monitor = self._sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+            self._connect(self._sub, endpoint, "endpoint")
             if replay_endpoint is not None:
-                self._dealer = self._connect(zmq.DEALER, replay_endpoint, "replay endpoint")
+                self._dealer = self._connect(self._ctx.socket(zmq.DEALER), replay_endpoint, "replay endpoint")
         except InvalidConfigError:
             self._ctx.destroy(linger=0)
             raise
         self._thread = threading.Thread(target=self._run, name=f"hybridkv-events-{name}", daemon=True)
         self._thread.start()
 
-    def _connect(self, kind: int, endpoint: str, what: str) -> zmq.Socket:
+    def _connect(self, sock: zmq.Socket, endpoint: str, what: str) -> zmq.Socket:
         if not isinstance(endpoint, str) or not endpoint.startswith(_SCHEMES):
             raise InvalidConfigError(
                 f"replica {self.name}: KV events {what} must be tcp://host:port, ipc:// or inproc://, got {endpoint!r}")
-        sock = self._ctx.socket(kind)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as e:
-            sock.close(linger=0)
             raise InvalidConfigError(
                 f"replica {self.name}: cannot connect to KV events {what} {endpoint!r}: {e.strerror}") from None
         return sock
@@ -195,13 +198,13 @@ class ReplicaEvents:
                     self._resync = False
                     self._restart("resync")
                     next_probe = 0.0 if self._dealer is not None else next_probe
+                while self._monitor.poll(0):  # the SUB connected: from the second time on, maybe to a new stream
+                    self._monitor.recv_multipart()
+                    self._verify, self._connected = self._connected, True
                 if time.monotonic() >= next_probe:
                     self._catch_up(None)
                     next_probe = float("inf") if self.idle_replay is None else time.monotonic() + self.idle_replay
                 if self._sub.poll(self.POLL_S * 1000):
-                    while self._monitor.poll(0):
-                        self._monitor.recv_multipart()
-                        self._verify = True
                     frames = self._sub.recv_multipart(zmq.NOBLOCK)
                     self.last_message_time = time.monotonic()
                     if self.idle_replay is not None:
@@ -215,48 +218,69 @@ class ReplicaEvents:
         if len(frames) != 3 or len(frames[1]) != 8:
             return self._bad(f"{len(frames)} frames")
         seq, payload = int.from_bytes(frames[1], "big"), frames[2]
-        replayed = self._replayed
-        while replayed and replayed[0][0] < seq:  # those never come live (sent before we subscribed)
-            replayed.popleft()
-        if replayed and replayed[0][0] == seq:
-            if replayed.popleft()[1] == hash(payload) and seq < self._expected:
-                return  # had it from the replay
-        verify, self._verify = self._verify and self._last_hash is not None, False
-        if seq < self._expected:
-            self._restart("restart")
-        if seq > self._expected or verify:  # (the catch-up checks batch seq - 1 against the replay)
-            self._catch_up(seq)
+        if seq < self._expected and self._replayed.get(seq) == hash(payload):
+            del self._replayed[seq]
+            return  # had it from the replay
+        if seq != self._expected or self._verify:
+            answered, view = self._catch_up(seq)
             if self._stop.is_set():  # the replay wait was cut short by close(): not a gap
                 return
+            if seq < self._expected:
+                if answered:  # the replay has our last batch: an old one of ours (skipped) or a dead stream's
+                    return logger.debug("replica %s: stale batch %d dropped", self.name, seq)
+                self._restart("restart")  # nobody to ask: numbers going backwards mean a new stream
+            elif view is _ABSENT or (view is not None and view != hash(payload)):
+                # the replay (the replica's stream now) has another batch seq, or ends before it: a
+                # leftover of a previous stream (the replica restarted); keep checking the next ones
+                return logger.debug("replica %s: batch %d of a previous stream dropped", self.name, seq)
+            if view is not None or not answered:  # confirmed (or no replay: waiting would hold every batch up)
+                self._verify = False
+        replayed = self._replayed
+        while replayed and (first := next(iter(replayed))) <= seq:  # those before never come live now
+            del replayed[first]
         self._take(seq, payload)
 
-    def _catch_up(self, stop: int | None) -> None:
-        """Deliver what the replay holds from ``_expected`` on (up to ``stop``, excluded)."""
+    def _catch_up(self, stop: int | None) -> tuple[bool, object]:
+        """Deliver what the replay holds from ``_expected`` on (up to ``stop``, excluded), first
+        checking that it still holds the last batch delivered (else: a restart, from 0).
+
+        Returns whether the replay answered and its view of batch ``stop``: the payload's
+        hash, ``_ABSENT`` (its stream ends before), or None (it cannot tell: it holds
+        nothing, or its buffer moved past ``stop``)."""
         if self._dealer is None:
-            return
+            return False, None
         gap, resets = stop is not None and stop > self._expected and not self._fresh, self.num_resets
         for _ in range(2):  # a second time after finding a restart
             check = self._expected - 1 if self._last_hash is not None else None
             answer = self._request(self._expected if check is None else check)
             if answer is None:
-                return
+                return False, None
+            view = _ABSENT if answer else None
             if check is not None:
-                if not answer or (answer[0][0] == check and hash(answer[0][1]) != self._last_hash):
+                same = bool(answer) and answer[0][0] == check and hash(answer[0][1]) == self._last_hash
+                # the buffer moved past our last batch: assume the same stream, unless a live batch went
+                # backwards or the SUB reconnected (then a reset, "restart", costs less than a wrong guess)
+                moved_on = (bool(answer) and answer[0][0] > check and not self._verify
+                            and (stop is None or stop >= self._expected))
+                if not (same or moved_on):
                     self._restart("restart")  # the replay lacks what we had: another stream
                     continue
-                if answer[0][0] == check:
+                if same:
                     answer = answer[1:]
             for seq, payload in answer:
                 if stop is not None and seq >= stop:
+                    view = hash(payload) if seq == stop else None
                     break
                 if seq >= self._expected:
-                    if stop is None:
-                        self._replayed.append((seq, hash(payload)))
+                    if len(self._replayed) >= self.MAX_REPLAYED:
+                        del self._replayed[next(iter(self._replayed))]
+                    self._replayed[seq] = hash(payload)
                     self.num_replayed += 1
                     self._take(seq, payload)
-            break
-        if gap and self._expected == stop and self.num_resets == resets:
-            self.num_gaps_filled += 1
+            if gap and self._expected == stop and self.num_resets == resets:
+                self.num_gaps_filled += 1
+            return True, view
+        return False, None
 
     def _request(self, start: int) -> list[tuple[int, bytes]] | None:
         """The replay's batches from ``start`` on, in order; None if it did not answer in time."""
