@@ -1,0 +1,507 @@
+"""``hybridkv route``: what each routing policy gets out of N replicas' prefix caches.
+
+    python3 benchmarks/bench_route.py [--quick] [--model NAME|DIR] [--replicas 3] [--rounds 2]
+                                      [--policies round-robin,least-loaded,full-only,hybrid,oracle]
+                                      [--clients 6] [--open 4] [--conversations 48] [--turns 5]
+                                      [--num-blocks N] [--max-imbalance 2] [--no-route-cost]
+
+One seeded workload goes through ``hybridkv route`` with each policy in turn:
+
+* (a) ``round-robin``, (b) ``least-loaded``: no cache knowledge;
+* (c) ``full-only``: the KV-event index scoring only the full-attention group (what
+  today's routers do for hybrid models);
+* (d) ``hybrid``: the index scoring every group under its own rule (the core's);
+* (e) ``oracle``: the router asks each replica's manager (``POST /kv_cache/peek``).
+
+Per policy run, everything is fresh: ``--replicas`` ``hybridkv serve`` processes (KV events +
+replay on, a pool of ``--num-blocks`` blocks so the workload's working set is a few times
+the pool: blocks are evicted) and one ``hybridkv route --policy P`` in front of them; every
+policy starts from empty caches. A round runs the five policies one after the other, in an
+order rotated by one each round, and the per-round ratios (hybrid / oracle, hybrid - full-only)
+are taken within a round (side by side), then the median over ``--rounds``.
+
+Workload (the same requests, seeded, for every policy): ``--systems`` system prompts;
+``--conversations`` chats, each on one system prompt, of ``--turns`` turns; turn ``t``'s
+messages are the system prompt, the ``t - 1`` earlier user messages each followed by a
+*scripted* assistant reply, and a new user message (scripted replies, not the model's: the
+prompts, hence the hits, do not depend on which replica sampled what). ``--clients``
+concurrent clients each own a share of the conversations and keep ``--open`` of them open,
+sending one turn of each in rotation (a finished chat is replaced by the client's next), so
+a conversation comes back after the other clients' and its siblings' traffic has pushed
+on the pool: its sliding-window blocks (freed while its last turn ran, so early in the LRU)
+are evicted before its full-attention chain. A full-only index still sees the chain and
+predicts a long hit the replica cannot give (false residency); the hybrid index does not.
+
+Requests: streaming ``POST /v1/chat/completions`` (greedy, ``--max-tokens`` new tokens,
+``ignore_eos``, ``stream_options.include_usage``); TTFT = request sent to the first chunk
+with a choice (the server sends the role with the first token, not before); the final
+usage chunk gives ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens`` (the hit
+the replica obtained); the router's headers give the replica and the predicted hit.
+Printed per policy (all rounds pooled): hit tokens obtained (and % of prompt tokens),
+predicted, false residency = sum(max(0, predicted - obtained)) (and % of predicted), mean
+TTFT, requests/s and output tokens/s; then the targets: hybrid >= 95% of the oracle's
+obtained hits, strictly more than full-only, false residency < 1% of predicted. Last, the
+router's own cost (``benchmarks/route_cost.py``): µs per routing decision at 8 replicas x
+100k indexed blocks each.
+
+``--max-imbalance`` (default 2): a hit may put at most this many more in-flight requests on
+a replica than on the least loaded. With 6 clients over 3 replicas (2 each on average) a
+hit wins unless its replica already runs 2 more than another; larger values pile chats of
+one system prompt onto one replica (its pool thrashes), 0 is least-loaded with hits as
+tie-break only.
+
+Default: the tiny random Gemma 3 of the tests (4 sliding-window-12 layers + 2 full, 128-id
+character tokenizer; built in a temp dir), block 4, 3 replicas of 192 blocks, 6 clients x 4
+open chats, 48 chats of 5 turns, 2 rounds (a few minutes on 2 cores). ``--quick``: 24 chats
+of 4 turns, 1 round, 5 policies (about a minute). ``--model DIR_OR_NAME`` serves a real
+model (gemma-3-270m works, but 3 replicas take ~5 GB RAM each; give ``--num-blocks`` and
+``--block-size`` to suit it). Every replica runs ``OMP_NUM_THREADS=--threads`` (default 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+POLICIES = ("round-robin", "least-loaded", "full-only", "hybrid", "oracle")
+READY_TIMEOUT = 300.0
+STOP_TIMEOUT = 30.0
+WORDS = ("alpha beta gamma delta omega kappa sigma theta lambda zeta river stone cloud light north paper "
+         "garden silver window orange market engine castle winter summer yellow forest").split()
+
+
+# --------------------------------------------------------------------------- processes
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class Proc:
+    """``python -m hybridkv COMMAND ...``; ``base_url`` from its ``listening on`` line."""
+
+    def __init__(self, command: str, args: list[str], threads: int) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen([sys.executable, "-m", "hybridkv", command, *args], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []
+        self.base_url = ""
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:  # keeps draining stderr so the process never blocks on it
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if "listening on " in line and not self.base_url:
+                self.base_url = line.split("listening on ", 1)[1].split()[0]
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self) -> None:
+        if not self._ready.wait(READY_TIMEOUT) or not self.base_url:
+            self.stop()
+            raise SystemExit(f"not ready in {READY_TIMEOUT:.0f} s:\n{''.join(self.lines)[-3000:]}")
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str
+    replicas: int
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_model_len: int
+    max_imbalance: int
+    threads: int
+
+    def start_replica(self) -> tuple[Proc, str]:
+        http, pub, replay = free_port(), free_port(), free_port()  # known before it binds: the router starts alongside
+        p = Proc("serve", [self.model, "--port", str(http), "--served-model-name", "bench", "--block-size",
+                           str(self.block_size), "--num-blocks", str(self.num_blocks), "--max-num-seqs",
+                           str(self.max_num_seqs), "--max-model-len", str(self.max_model_len),
+                           "--kv-events", f"tcp://127.0.0.1:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}"],
+                 self.threads)
+        return p, f"http://127.0.0.1:{http},tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}"
+
+
+class Cluster:
+    """Fresh replicas and a router with ``policy`` in front of them, all started at once (the
+    router marks a replica up when its ``/health`` answers; its event streams connect when
+    the replica binds); ready when every replica printed its ready line and the router
+    counts all of them up."""
+
+    def __init__(self, setup: Setup, policy: str) -> None:
+        import httpx
+
+        self.procs: list[Proc] = []
+        try:
+            started = [setup.start_replica() for _ in range(setup.replicas)]
+            self.procs += [p for p, _ in started]
+            specs = [spec for _, spec in started]
+            self.router = Proc("route", ["--model", setup.model, "--port", "0", "--policy", policy,
+                                         "--max-imbalance", str(setup.max_imbalance), "--health-interval", "0.25",
+                                         "--log-level", "info",
+                                         *sum((["--replica", s] for s in specs), [])], setup.threads)
+            self.procs.append(self.router)
+            for p in self.procs:
+                p.wait_ready()
+            deadline = time.monotonic() + 30
+            while not all(r["up"] for r in self.replica_state()["replicas"]):
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the router does not see every replica up: {self.replica_state()}")
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+
+    def replica_state(self) -> dict:
+        import httpx
+
+        return httpx.get(f"{self.router.base_url}/router/replicas", timeout=10).json()
+
+    def stop(self) -> list[int | None]:
+        for p in self.procs:
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        return [p.stop() for p in self.procs]
+
+
+# ----------------------------------------------------------------------------- workload
+def _words(rng: random.Random, lo: int, hi: int) -> str:
+    n = rng.randint(lo, hi)
+    out: list[str] = []
+    while sum(map(len, out)) + len(out) < n:
+        out.append(rng.choice(WORDS))
+    return " ".join(out)[:n]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``schedules[c]``: client c's requests in order, each the chat's messages so far."""
+
+    schedules: list[list[tuple[int, int, list[dict]]]]  # (conversation, turn, messages)
+
+    @property
+    def num_requests(self) -> int:
+        return sum(map(len, self.schedules))
+
+
+def make_workload(seed: int, systems: int, conversations: int, turns: int, clients: int, open_: int,
+                  system_chars: int = 96) -> Workload:
+    rng = random.Random(seed)
+    sys_prompts = [f"You are assistant number {i}. " + _words(rng, system_chars - 28, system_chars - 28)
+                   for i in range(systems)]
+    convs = []
+    for k in range(conversations):
+        system = sys_prompts[k % systems]
+        users = [_words(rng, 12, 28) for _ in range(turns)]
+        replies = [_words(rng, 6, 16) for _ in range(turns)]
+        msgs = []
+        for t in range(turns):
+            m = [{"role": "system", "content": system}]
+            for u, a in zip(users[:t], replies[:t]):
+                m += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+            m.append({"role": "user", "content": users[t]})
+            msgs.append(m)
+        convs.append(msgs)
+    order = list(range(conversations))
+    rng.shuffle(order)
+    schedules = []
+    for c in range(clients):
+        queue = order[c::clients]
+        opened = [[k, 0] for k in queue[:open_]]
+        queue = queue[open_:]
+        sched = []
+        while opened:
+            for slot in list(opened):
+                k, t = slot
+                sched.append((k, t, convs[k][t]))
+                slot[1] += 1
+                if slot[1] == turns:
+                    i = opened.index(slot)
+                    if queue:
+                        opened[i] = [queue.pop(0), 0]
+                    else:
+                        opened.pop(i)
+        schedules.append(sched)
+    return Workload(schedules)
+
+
+# ------------------------------------------------------------------------------- driving
+@dataclass
+class Rec:
+    conv: int
+    turn: int
+    replica: str
+    predicted: int
+    obtained: int
+    prompt_tokens: int
+    output_tokens: int
+    ttft: float
+    end: float
+
+
+@dataclass
+class PolicyRun:
+    policy: str
+    round: int
+    wall: float = 0.0
+    recs: list[Rec] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    state: dict = field(default_factory=dict)
+    log: list[str] = field(default_factory=list)  # the router's warnings and index resets during the run
+
+    def total(self, name: str) -> int:
+        return sum(getattr(r, name) for r in self.recs)
+
+    @property
+    def false_residency(self) -> int:
+        return sum(max(0, r.predicted - r.obtained) for r in self.recs)
+
+
+async def _one(client, messages: list[dict], max_tokens: int) -> tuple[str, int, dict | None, float, int]:
+    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    first = None
+    usage = None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
+        replica = r.headers.get("x-hybridkv-replica", "?")
+        predicted = int(r.headers.get("x-hybridkv-predicted-hit", 0))
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                raise RuntimeError(f"stream error: {obj['error']}")
+            if obj.get("choices") and first is None:
+                first = time.perf_counter()
+            if obj.get("usage"):
+                usage = obj["usage"]
+    if usage is None or first is None:
+        raise RuntimeError("no usage / no token in the stream")
+    return replica, predicted, usage, first - sent, 0
+
+
+async def _drive(base_url: str, work: Workload, max_tokens: int, run: PolicyRun) -> None:
+    import httpx
+
+    n = len(work.schedules)
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(300.0), limits=limits) as client:
+
+        async def worker(sched) -> None:
+            for k, t, messages in sched:
+                try:
+                    replica, predicted, usage, ttft, _ = await _one(client, messages, max_tokens)
+                except (RuntimeError, httpx.HTTPError) as exc:
+                    run.errors.append(f"conv {k} turn {t}: {exc}")
+                    continue
+                details = usage.get("prompt_tokens_details") or {}
+                run.recs.append(Rec(k, t, replica, predicted, int(details.get("cached_tokens") or 0),
+                                    usage["prompt_tokens"], usage["completion_tokens"], ttft, time.perf_counter()))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(s) for s in work.schedules))
+        run.wall = time.perf_counter() - start
+
+
+def run_policy(setup: Setup, policy: str, work: Workload, max_tokens: int, rnd: int) -> PolicyRun:
+    t0 = time.perf_counter()
+    cluster = Cluster(setup, policy)
+    ready = time.perf_counter() - t0
+    run = PolicyRun(policy, rnd)
+    try:
+        before = cluster.replica_state()
+        log_from = len(cluster.router.lines)
+        asyncio.run(_drive(cluster.router.base_url, work, max_tokens, run))
+        run.state = cluster.replica_state()
+    finally:
+        cluster.stop()
+    for b, a in zip(before["replicas"], run.state["replicas"]):  # index drops during the workload only
+        delta = {k: n - b["index_resets"].get(k, 0) for k, n in a["index_resets"].items()}
+        a["index_resets"] = {k: n for k, n in delta.items() if n}
+    run.log = [line.rstrip() for line in cluster.router.lines[log_from:]  # "down (down)": the start-up probes
+               if ("WARNING" in line or "ERROR" in line or "reset" in line) and "is down (down)" not in line]
+    print(f"  round {rnd + 1} {policy:12} {len(run.recs)} requests in {run.wall:5.1f} s (cluster ready in "
+          f"{ready:.1f} s), obtained {run.total('obtained')}, predicted {run.total('predicted')}, "
+          f"false {run.false_residency}" + (f", {len(run.errors)} errors: {run.errors[:2]}" if run.errors else ""),
+          flush=True)
+    for line in run.log[:6]:
+        print(f"    router | {line}")
+    return run
+
+
+# -------------------------------------------------------------------------------- report
+def _pct(a: float, b: float) -> str:
+    return f"{100 * a / b:5.1f}%" if b else "    -"
+
+
+def report(runs: dict[str, list[PolicyRun]], rounds: int) -> dict:
+    print(f"\n{'policy':12} {'requests':>8} {'prompt tok':>10} {'hit obtained':>19} {'hit predicted':>13} "
+          f"{'false residency':>19} {'mean TTFT':>10} {'req/s':>7} {'out tok/s':>9}  replicas (requests)")
+    for policy, rs in runs.items():
+        recs = [r for run in rs for r in run.recs]
+        prompt = sum(r.prompt_tokens for r in recs)
+        obtained = sum(r.obtained for r in recs)
+        predicted = sum(r.predicted for r in recs)
+        false = sum(run.false_residency for run in rs)
+        wall = sum(run.wall for run in rs)
+        ttft = statistics.fmean(r.ttft for r in recs) if recs else float("nan")
+        out = sum(r.output_tokens for r in recs)
+        spread: dict[str, int] = {}
+        for r in recs:
+            spread[r.replica] = spread.get(r.replica, 0) + 1
+        print(f"{policy:12} {len(recs):>8} {prompt:>10} {obtained:>11} ({_pct(obtained, prompt)}) {predicted:>13} "
+              f"{false:>11} ({_pct(false, predicted)}) {ttft * 1e3:>7.1f} ms {len(recs) / wall:>7.2f} {out / wall:>9.1f}"
+              f"  {' '.join(f'{k}:{v}' for k, v in sorted(spread.items()))}")
+    verdict: dict = {}
+    if "hybrid" in runs:
+        hyb = runs["hybrid"]
+        if "oracle" in runs:
+            ratios = [h.total("obtained") / o.total("obtained") if o.total("obtained") else float("nan")
+                      for h, o in zip(hyb, runs["oracle"])]
+            verdict["hybrid_over_oracle"] = statistics.median(ratios)
+            print(f"hybrid / oracle obtained hit tokens: median {verdict['hybrid_over_oracle']:.3f} over {rounds} "
+                  f"rounds {[round(x, 3) for x in ratios]} (target >= 0.95: "
+                  f"{'met' if verdict['hybrid_over_oracle'] >= 0.95 else 'MISSED'})")
+        if "full-only" in runs:
+            diffs = [h.total("obtained") - f.total("obtained") for h, f in zip(hyb, runs["full-only"])]
+            ratios = [h.total("obtained") / f.total("obtained") if f.total("obtained") else float("nan")
+                      for h, f in zip(hyb, runs["full-only"])]
+            verdict["hybrid_minus_full_only"] = statistics.median(diffs)
+            print(f"hybrid - full-only obtained hit tokens: median {statistics.median(diffs):+.0f} "
+                  f"({statistics.median(ratios):.3f}x) per round {diffs} (target > 0: "
+                  f"{'met' if min(diffs) > 0 else 'MISSED' if max(diffs) <= 0 else 'met in some rounds'})")
+        pred = sum(r.total("predicted") for r in hyb)
+        false = sum(r.false_residency for r in hyb)
+        verdict["hybrid_false_residency"] = false / pred if pred else 0.0
+        floor = ""
+        if "oracle" in runs:
+            o_pred = sum(r.total("predicted") for r in runs["oracle"])
+            o_false = sum(r.false_residency for r in runs["oracle"])
+            floor = (f"; the oracle's, exact when asked, is {_pct(o_false, o_pred).strip()}: hits evicted between "
+                     f"the decision and the replica scheduling the request")
+        print(f"hybrid false residency: {false} of {pred} predicted hit tokens = {_pct(false, pred).strip()} "
+              f"(target < 1%: {'met' if verdict['hybrid_false_residency'] < 0.01 else 'MISSED'}){floor}")
+    return verdict
+
+
+def tiny_model_dir(path: Path) -> str:
+    sys.path.insert(0, str(ROOT / "tests" / "engine"))
+    from _hf_tiny import build_tiny
+    from _tiny_tokenizer import write_tokenizer
+
+    build_tiny("gemma3", path)
+    write_tokenizer(path)
+    return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer chats and turns, 1 round (about a minute)")
+    ap.add_argument("--model", default=None, help="model name, .gguf or directory (default: the tiny test Gemma 3)")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=None, help="default 2 (--quick 1)")
+    ap.add_argument("--systems", type=int, default=3, help="system prompts (default 3)")
+    ap.add_argument("--conversations", type=int, default=None, help="chats (default 48; --quick 24)")
+    ap.add_argument("--turns", type=int, default=None, help="turns per chat (default 5; --quick 4)")
+    ap.add_argument("--clients", type=int, default=6, help="concurrent clients (default 6)")
+    ap.add_argument("--open", type=int, default=4, help="chats each client keeps open, in rotation (default 4)")
+    ap.add_argument("--max-tokens", type=int, default=8, help="new tokens per request (default 8)")
+    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--num-blocks", type=int, default=256, help="KV cache blocks per replica (default 256)")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--max-imbalance", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write every request's record here")
+    ap.add_argument("--no-route-cost", action="store_true", help="skip the µs-per-decision figure")
+    ap.add_argument("--route-cost-blocks", type=int, default=100_000)
+    args = ap.parse_args(argv)
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:
+        if p not in POLICIES:
+            ap.error(f"unknown policy {p!r}")
+    rounds = args.rounds or (1 if args.quick else 2)
+    conversations = args.conversations or (24 if args.quick else 48)
+    turns = args.turns or (4 if args.quick else 5)
+    work = make_workload(args.seed, args.systems, conversations, turns, args.clients, args.open)
+    with tempfile.TemporaryDirectory(prefix="bench-route-") as tmp:
+        model = args.model or tiny_model_dir(Path(tmp))
+        setup = Setup(model, args.replicas, args.block_size, args.num_blocks, args.max_num_seqs, args.max_model_len,
+                      args.max_imbalance, args.threads)
+        print(f"model {model if args.model else 'tiny gemma3 (sliding window 12 + full)'}; {args.replicas} replicas, "
+              f"block {args.block_size}, {args.num_blocks} blocks each, max_num_seqs {args.max_num_seqs}; "
+              f"{args.systems} system prompts, {conversations} chats x {turns} turns = {work.num_requests} requests, "
+              f"{args.clients} clients x {args.open} open chats, {args.max_tokens} new tokens; "
+              f"--max-imbalance {args.max_imbalance}; {rounds} round(s), policies rotated each round", flush=True)
+        runs: dict[str, list[PolicyRun]] = {p: [] for p in policies}
+        t0 = time.perf_counter()
+        for rnd in range(rounds):
+            order = policies[rnd % len(policies):] + policies[:rnd % len(policies)]
+            for p in order:
+                runs[p].append(run_policy(setup, p, work, args.max_tokens, rnd))
+        print(f"all runs: {time.perf_counter() - t0:.0f} s")
+    verdict = report(runs, rounds)
+    if args.json:
+        Path(args.json).write_text(json.dumps({p: [{"round": run.round, "wall": run.wall, "state": run.state,
+                                                    "recs": [r.__dict__ for r in run.recs]} for run in rs]
+                                               for p, rs in runs.items()}))
+    bad = {p: sum(r["bad_events"] for run in rs for r in run.state.get("replicas", [])) for p, rs in runs.items()}
+    resets = {f"{p} round {run.round + 1}": {r["name"]: r["index_resets"] for r in run.state.get("replicas", [])
+                                             if r["index_resets"]}
+              for p, rs in runs.items() for run in rs}
+    resets = {k: v for k, v in resets.items() if v}
+    errors = sum(len(run.errors) for rs in runs.values() for run in rs)
+    print(f"failed requests: {errors}; router bad events: {bad}; index drops during the workload: {resets or 'none'}")
+    if not args.no_route_cost:
+        from route_cost import measure
+
+        r = measure(8, args.route_cost_blocks, 2048, "gemma3", repeats=50 if args.quick else 200)
+        print(f"router cost: {r['decision_us']:.0f} µs per routing decision (hash the 2048-token prompt "
+              f"{r['hash_us']:.0f} + score on {r['replicas']} replicas {r['score_us']:.0f}; full-only score "
+              f"{r['score_full_only_us']:.0f}) at {r['replicas']} replicas x {r['blocks_per_replica']} indexed blocks "
+              f"each (gemma3 layout, block 16; benchmarks/route_cost.py)")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
