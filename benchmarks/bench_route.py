@@ -142,6 +142,7 @@ class Setup:
     max_model_len: int
     max_imbalance: int
     threads: int
+    decompose: bool = False
 
     def start_replica(self) -> tuple[Proc, str]:
         http, pub, replay = free_port(), free_port(), free_port()  # known before it binds: the router starts alongside
@@ -160,8 +161,6 @@ class Cluster:
     counts all of them up."""
 
     def __init__(self, setup: Setup, policy: str) -> None:
-        import httpx
-
         self.procs: list[Proc] = []
         try:
             started = [setup.start_replica() for _ in range(setup.replicas)]
@@ -170,6 +169,8 @@ class Cluster:
             self.router = Proc("route", ["--model", setup.model, "--port", "0", "--policy", policy,
                                          "--max-imbalance", str(setup.max_imbalance), "--health-interval", "0.25",
                                          "--log-level", "info",
+                                         *(["--shadow-peek"] if setup.decompose and policy in ("hybrid", "full-only")
+                                           else []),
                                          *sum((["--replica", s] for s in specs), [])], setup.threads)
             self.procs.append(self.router)
             for p in self.procs:
@@ -268,6 +269,7 @@ class Rec:
     output_tokens: int
     ttft: float
     end: float
+    resident: int | None = None  # the replica's own hit at the decision (--decompose)
 
 
 @dataclass
@@ -287,8 +289,15 @@ class PolicyRun:
     def false_residency(self) -> int:
         return sum(max(0, r.predicted - r.obtained) for r in self.recs)
 
+    @property
+    def index_false_residency(self) -> int | None:
+        """Predicted hit tokens the replica did not hold even at the decision (the index's own error)."""
+        if not self.recs or any(r.resident is None for r in self.recs):
+            return None
+        return sum(max(0, r.predicted - r.resident) for r in self.recs)
 
-async def _one(client, messages: list[dict], max_tokens: int) -> tuple[str, int, dict | None, float, int]:
+
+async def _one(client, messages: list[dict], max_tokens: int) -> tuple[str, int, dict | None, float, int | None]:
     body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
@@ -299,6 +308,7 @@ async def _one(client, messages: list[dict], max_tokens: int) -> tuple[str, int,
             raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
         replica = r.headers.get("x-hybridkv-replica", "?")
         predicted = int(r.headers.get("x-hybridkv-predicted-hit", 0))
+        resident = r.headers.get("x-hybridkv-resident-hit")
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -314,7 +324,7 @@ async def _one(client, messages: list[dict], max_tokens: int) -> tuple[str, int,
                 usage = obj["usage"]
     if usage is None or first is None:
         raise RuntimeError("no usage / no token in the stream")
-    return replica, predicted, usage, first - sent, 0
+    return replica, predicted, usage, first - sent, None if resident is None else int(resident)
 
 
 async def _drive(base_url: str, work: Workload, max_tokens: int, run: PolicyRun) -> None:
@@ -327,13 +337,14 @@ async def _drive(base_url: str, work: Workload, max_tokens: int, run: PolicyRun)
         async def worker(sched) -> None:
             for k, t, messages in sched:
                 try:
-                    replica, predicted, usage, ttft, _ = await _one(client, messages, max_tokens)
+                    replica, predicted, usage, ttft, resident = await _one(client, messages, max_tokens)
                 except (RuntimeError, httpx.HTTPError) as exc:
                     run.errors.append(f"conv {k} turn {t}: {exc}")
                     continue
                 details = usage.get("prompt_tokens_details") or {}
                 run.recs.append(Rec(k, t, replica, predicted, int(details.get("cached_tokens") or 0),
-                                    usage["prompt_tokens"], usage["completion_tokens"], ttft, time.perf_counter()))
+                                    usage["prompt_tokens"], usage["completion_tokens"], ttft, time.perf_counter(),
+                                    resident))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker(s) for s in work.schedules))
@@ -418,6 +429,13 @@ def report(runs: dict[str, list[PolicyRun]], rounds: int) -> dict:
                      f"the decision and the replica scheduling the request")
         print(f"hybrid false residency: {false} of {pred} predicted hit tokens = {_pct(false, pred).strip()} "
               f"(target < 1%: {'met' if verdict['hybrid_false_residency'] < 0.01 else 'MISSED'}){floor}")
+        for name in ("hybrid", "full-only"):
+            idx = [r.index_false_residency for r in runs.get(name, [])]
+            if idx and all(x is not None for x in idx):
+                p_ = sum(r.total("predicted") for r in runs[name])
+                verdict[f"{name}_index_false_residency"] = sum(idx) / p_ if p_ else 0.0
+                print(f"{name} index false residency (--decompose: predicted but not held by the replica at the "
+                      f"decision): {sum(idx)} of {p_} = {_pct(sum(idx), p_).strip()}")
     return verdict
 
 
@@ -452,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="PATH", help="also write every request's record here")
+    ap.add_argument("--decompose", action="store_true",
+                    help="hybrid / full-only routers also ask the chosen replica's manager at each decision "
+                         "(route --shadow-peek): false residency split into index error and later eviction "
+                         "(adds one peek per request to those lanes' TTFT)")
     ap.add_argument("--no-route-cost", action="store_true", help="skip the µs-per-decision figure")
     ap.add_argument("--route-cost-blocks", type=int, default=100_000)
     args = ap.parse_args(argv)
@@ -467,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-route-") as tmp:
         model = args.model or tiny_model_dir(Path(tmp))
         setup = Setup(model, args.replicas, args.block_size, args.num_blocks, args.max_num_seqs, args.max_model_len,
-                      args.max_imbalance, args.threads)
+                      args.max_imbalance, args.threads, args.decompose)
         print(f"model {model if args.model else 'tiny gemma3 (sliding window 12 + full)'}; {args.replicas} replicas, "
               f"block {args.block_size}, {args.num_blocks} blocks each, max_num_seqs {args.max_num_seqs}; "
               f"{args.systems} system prompts, {conversations} chats x {turns} turns = {work.num_requests} requests, "
@@ -480,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             for p in order:
                 runs[p].append(run_policy(setup, p, work, args.max_tokens, rnd))
         print(f"all runs: {time.perf_counter() - t0:.0f} s")
-    verdict = report(runs, rounds)
+    report(runs, rounds)
     if args.json:
         Path(args.json).write_text(json.dumps({p: [{"round": run.round, "wall": run.wall, "state": run.state,
                                                     "recs": [r.__dict__ for r in run.recs]} for run in rs]

@@ -196,3 +196,33 @@ def test_least_loaded_and_round_robin_spread_requests():
     seen_ll, seen_rr = asyncio.run(main())
     assert sorted(seen_ll) == ["r0", "r0", "r1", "r1", "r2", "r2"]
     assert seen_rr == ["r0", "r1", "r2"] * 2
+
+
+def test_shadow_peek_reports_what_the_replica_held_at_the_decision():
+    fake = FakeReplicas(2)
+    real = fake.__call__
+
+    def with_peek(request):
+        if request.url.path == "/kv_cache/peek":
+            return httpx.Response(200, json={"prompt_tokens": 3, "cached_tokens": 7})
+        return real(request)
+
+    from hybridkv.router.app import create_router_app
+
+    router = Router([ReplicaSpec(f"http://r{i}:8000") for i in range(2)],
+                    RouterConfig(policy="hybrid", health_interval=60, shadow_peek=True),
+                    transport=httpx.MockTransport(with_peek))
+    app = create_router_app(router)
+
+    async def main():
+        await router.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+                return (await c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}),
+                        await c.post("/v1/completions", json={"prompt": "text, no tokenizer", "max_tokens": 1}))
+        finally:
+            await router.stop()
+
+    ids, text = asyncio.run(main())
+    assert ids.headers["x-hybridkv-resident-hit"] == "7" and ids.headers["x-hybridkv-predicted-hit"] == "0"
+    assert "x-hybridkv-resident-hit" not in text.headers  # no token ids: nothing to ask

@@ -49,6 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="seconds between replica health probes (default 1)")
     p.add_argument("--events-timeout", type=finite_float(0.0, low_open=True), default=5.0,
                    help="seconds a replica's events may lag a response before its index is dropped (default 5)")
+    p.add_argument("--shadow-peek", action="store_true",
+                   help="benchmarks: ask the chosen replica's manager at each decision too, reported in "
+                        "x-hybridkv-resident-hit (default off)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
                    help="router log level (default warning)")
     p.set_defaults(func=run)
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidConfigError("give at least one --replica URL[,EVENTS[,REPLAY]]")
     specs = [ReplicaSpec.parse(text) for text in args.replica]
     config = RouterConfig(policy=args.policy, max_imbalance=args.max_imbalance, health_interval=args.health_interval,
-                          events_timeout=args.events_timeout)
+                          events_timeout=args.events_timeout, shadow_peek=args.shadow_peek)
     require_server_dependencies(any(s.events for s in specs))
     tokenizer = _tokenizer(args.model)
     router = Router(specs, config, tokenizer)

@@ -12,7 +12,8 @@
 A request body goes to the chosen replica byte for byte, and its answer comes back as
 it arrives (server-sent events streamed through), with two headers added:
 ``x-hybridkv-replica`` (the replica's name) and ``x-hybridkv-predicted-hit`` (the hit
-tokens the policy predicted there). A replica that refuses the connection is marked
+tokens the policy predicted there); with ``shadow_peek`` also ``x-hybridkv-resident-hit``
+(what the replica's own manager held for it at the decision). A replica that refuses the connection is marked
 down and the request goes to another one; no replica up is a 503 with ``Retry-After``; a
 replica that fails after it accepted the request is a 502 (or, mid-stream, an SSE error
 event and ``[DONE]``). Every error is OpenAI's JSON error body.
@@ -113,6 +114,7 @@ def create_router_app(router: Router) -> FastAPI:
         sent_at = time.monotonic()
         while True:
             replica, predicted = await router.choose(token_ids, tried)  # none up: 503
+            resident = await router._peek(replica, token_ids) if router.config.shadow_peek and token_ids else None
             replica.in_flight += 1
             try:
                 upstream = await router.client.send(
@@ -135,6 +137,8 @@ def create_router_app(router: Router) -> FastAPI:
         replica.num_requests += 1
         metrics.predicted.labels(replica.name).inc(predicted)
         out_headers = {"x-hybridkv-replica": replica.name, "x-hybridkv-predicted-hit": str(predicted)}
+        if resident is not None:
+            out_headers["x-hybridkv-resident-hit"] = str(resident)
         for key in ("content-type", "retry-after"):
             if key in upstream.headers:
                 out_headers[key] = upstream.headers[key]

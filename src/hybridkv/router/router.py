@@ -51,6 +51,9 @@ class RouterConfig:
     events_timeout: float = 5.0  # seconds after a response by which its events must have arrived
     request_timeout: float = 600.0
     retry_after: int = 1
+    #: benchmarks: also ask the chosen replica's manager (``/kv_cache/peek``) at each decision
+    #: and report it (``x-hybridkv-resident-hit``), to tell index error from later eviction
+    shadow_peek: bool = False
 
     def __post_init__(self) -> None:
         for name in ("health_interval", "probe_timeout", "events_timeout", "request_timeout"):
