@@ -101,7 +101,7 @@ def _retracting_run(tok, ids: list[int], skip: bool) -> bool:
     hidden = tok.special_token_ids if skip else frozenset()
     runs, run = [], bytearray()
     for token in tok.convert_ids_to_tokens([i for i in ids if i not in hidden]):
-        if token.startswith("<0x") and len(token) == 6:
+        if token is not None and token.startswith("<0x") and len(token) == 6:  # None: an id with no token
             run.append(int(token[3:5], 16))
         else:
             runs.append(bytes(run))
