@@ -199,8 +199,8 @@ class OpenAIServing:
             "index": chunk.index,
             "text": chunk.text,
             "logprobs": self._completion_logprobs(chunk.logprobs),
-            "finish_reason": _reason(chunk),
-            "stop_reason": _stop_reason(chunk),
+            "finish_reason": _reason(chunk.final),
+            "stop_reason": _stop_reason(chunk.final),
         }
 
     def _token_text(self, token_id: int) -> str:
@@ -251,8 +251,8 @@ class OpenAIServing:
             "index": chunk.index,
             "delta": delta,
             "logprobs": self._chat_logprobs(chunk.logprobs),
-            "finish_reason": _reason(chunk),
-            "stop_reason": _stop_reason(chunk),
+            "finish_reason": _reason(chunk.final),
+            "stop_reason": _stop_reason(chunk.final),
         }
 
     def _chat_logprobs(self, lps: tuple[TokenLogprob, ...] | None) -> dict | None:
@@ -307,35 +307,27 @@ class OpenAIServing:
         choices = []
         for i in sorted(finals):
             out, text = finals[i], "".join(texts.get(i, []))
-            entry = _FakeChunk(i, out)
             if chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
                                 "logprobs": self._chat_logprobs(tuple(lps[i])) if i in lps else None,
-                                "finish_reason": _reason(entry), "stop_reason": _stop_reason(entry)})
+                                "finish_reason": _reason(out), "stop_reason": _stop_reason(out)})
             else:
                 choices.append({"index": i, "text": text,
                                 "logprobs": self._completion_logprobs(tuple(lps[i])) if i in lps else None,
-                                "finish_reason": _reason(entry), "stop_reason": _stop_reason(entry)})
+                                "finish_reason": _reason(out), "stop_reason": _stop_reason(out)})
         return {"id": rid, "object": obj, "created": int(time.time()), "model": self.config.model_name,
                 "choices": choices, "usage": _usage(list(finals.values()))}
 
 
-class _FakeChunk:
-    __slots__ = ("index", "final")
-
-    def __init__(self, index: int, final: Any) -> None:
-        self.index, self.final = index, final
-
-
-def _reason(chunk) -> str | None:
-    if chunk.final is None:
+def _reason(final) -> str | None:
+    """OpenAI's finish reason of a choice's last chunk (None before it): vLLM's "abort" for ours "aborted"."""
+    if final is None:
         return None
-    reason = chunk.final.finish_reason
-    return "abort" if reason == "aborted" else reason
+    return "abort" if final.finish_reason == "aborted" else final.finish_reason
 
 
-def _stop_reason(chunk) -> str | int | None:
-    return None if chunk.final is None else chunk.final.stop_reason
+def _stop_reason(final) -> str | int | None:
+    return None if final is None else final.stop_reason
 
 
 def _usage(finals: list) -> dict:
