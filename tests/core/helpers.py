@@ -69,3 +69,10 @@ def manager_snapshot(kv, requests=()) -> tuple:
     )
     return (pool_snapshot(kv.pool), tables, tuple(sorted(kv._live)), tuple(sorted(kv._quiet)),
             (kv.stats.requests, kv.stats.queries, kv.stats.hits), reqs)
+
+
+def state(bs: int = 4):
+    """A tiny recurrent-state spec (one float32 element: the manager reads only its page)."""
+    from hybridkv.core.state_spec import StateSpec
+
+    return StateSpec(block_size=bs, shapes=((1,),), dtypes=("float32",))

@@ -5,7 +5,9 @@ next token (index L) attends to is cached; the blocks before that are null:
 
 * full: tokens [0, L);
 * sliding window W: tokens [max(0, L - W + 1), L);
-* chunked local C: tokens [floor(L / C) * C, L).
+* chunked local C: tokens [floor(L / C) * C, L);
+* state (linear attention, SSM): the checkpoint after L tokens, i.e. block L / B - 1
+  (nothing when L = 0): not downward closed.
 
 The coordinator's answer must be the longest L <= max_length (whole blocks) valid for
 every group, and the blocks it returns must be real exactly where tokens are needed.
@@ -19,7 +21,7 @@ from hypothesis import strategies as st
 from hybridkv.core.config import KVCacheConfig, KVCacheGroup
 from hybridkv.core.coordinator import KVCacheCoordinator
 
-from tests.core.helpers import chunked, fake_hashes, full, mark_cached, sliding
+from tests.core.helpers import chunked, fake_hashes, full, mark_cached, sliding, state
 
 
 def first_needed_token(spec, L):
@@ -27,6 +29,8 @@ def first_needed_token(spec, L):
         return 0
     if spec.kind == "sliding_window":
         return max(0, L - spec.sliding_window + 1)
+    if spec.kind == "mamba":
+        return max(0, L - 1)
     return L // spec.attention_chunk_size * spec.attention_chunk_size
 
 
@@ -49,10 +53,16 @@ def check_hit(c, specs, hashes, cached, expect, bs, max_length):
         assert all(not b.is_null and b.block_id == expect[g][i] for i, b in enumerate(table) if i >= first)
 
 
+def make(kind, n, bs):
+    return {"full": full, "state": state}[kind](bs) if kind in ("full", "state") else (
+        sliding(n, bs) if kind == "sliding" else chunked(n, bs))
+
+
 spec_strategy = st.one_of(
     st.just(("full", 0)),
     st.tuples(st.just("sliding"), st.integers(1, 9)),
     st.tuples(st.just("chunked"), st.integers(1, 9)),
+    st.just(("state", 0)),
 )
 
 
@@ -63,7 +73,7 @@ spec_strategy = st.one_of(
     data=st.data(),
 )
 def test_hit_is_the_longest_valid_for_every_group(bs, kinds, data):
-    specs = [full(bs) if k == "full" else sliding(n, bs) if k == "sliding" else chunked(n, bs) for k, n in kinds]
+    specs = [make(k, n, bs) for k, n in kinds]
     num_blocks = data.draw(st.integers(0, 10))
     hashes = fake_hashes(num_blocks)
     c = KVCacheCoordinator(KVCacheConfig(200, tuple(KVCacheGroup(s) for s in specs)), stripe_groups=False)
@@ -79,11 +89,12 @@ def test_hit_is_the_longest_valid_for_every_group(bs, kinds, data):
 @settings(max_examples=300, deadline=None)
 @given(
     bs=st.integers(1, 4),
-    kinds=st.lists(st.sampled_from([("full", 0), ("sliding", 3), ("chunked", 3), ("chunked", 5)]), min_size=1, max_size=5),
+    kinds=st.lists(st.sampled_from([("full", 0), ("sliding", 3), ("chunked", 3), ("chunked", 5), ("state", 0)]),
+                   min_size=1, max_size=5),
     data=st.data(),
 )
 def test_striped_hit_is_the_longest_valid_for_every_group(bs, kinds, data):
-    specs = [full(bs) if k == "full" else sliding(n, bs) if k == "sliding" else chunked(n, bs) for k, n in kinds]
+    specs = [make(k, n, bs) for k, n in kinds]
     num_blocks = data.draw(st.integers(0, 10))
     hashes = fake_hashes(num_blocks)
     c = KVCacheCoordinator(KVCacheConfig(400, tuple(KVCacheGroup(s) for s in specs)))

@@ -1,0 +1,327 @@
+"""State groups (linear attention / SSM): tables, checkpoints, retention, deferred hits, and
+a Hypothesis machine that runs a fake model over the tables and checks every state a step
+continues from is the state after exactly the tokens before it."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
+from hybridkv.core.kv_cache_manager import KVCacheManager
+from hybridkv.core.managers.state import aligned_num_new_tokens
+from hybridkv.core.specs import cdiv
+from hybridkv.core.state_spec import StateSpec, gated_delta_net_state, mamba2_state, unify_page_sizes
+from hybridkv.errors import InvalidConfigError, InvalidSpecError
+
+from tests.core.helpers import full, sliding, state
+
+
+def manager(*specs, num_blocks=64, retention=0, stripe=True, max_model_len=200):
+    cfg = KVCacheConfig(num_blocks, tuple(KVCacheGroup(s) for s in specs))
+    return KVCacheManager(cfg, CacheManagerConfig(max_model_len=max_model_len, prefix_cache_retention_interval=retention,
+                                                  stripe_groups=stripe))
+
+
+def step(kv, req, n, hit=0, blocks=None):
+    """One scheduler step of ``n`` tokens (aligned as the scheduler does); the tables after it."""
+    kv.new_step_starts()
+    n = kv.align_num_new_tokens(req, req.num_computed_tokens + hit, n)
+    assert kv.allocate_slots(req, n, hit, blocks) is not None
+    req.num_computed_tokens += hit + n
+    kv.check_invariants()
+    return n, kv.get_block_ids(req.request_id)
+
+
+def cached_positions(kv, rid, group):
+    """Positions of the request's table whose block is cached."""
+    table = kv.get_blocks(rid).blocks[group]
+    return [i for i, b in enumerate(table) if not b.is_null and b.block_hash is not None]
+
+
+# ----------------------------------------------------------------------------- the worked example
+def test_worked_example_dense():
+    """The module docstring's table: block 4, a 14-token prompt (8, 4, 2), then two decodes."""
+    kv = manager(full(4), state(4), retention=None)
+    a = kv.make_request("a", list(range(14)))
+    seen = []
+    for n in (8, 6, 2):
+        got, (attn, ssm) = step(kv, a, n)
+        seen.append((got, list(attn), list(ssm)))
+    assert [g for g, _, _ in seen] == [8, 4, 2]  # 8 -> 14 stops at 12, the prompt's last checkpoint
+    s8, s12, s14 = (t[2] for t in seen)
+    assert s8[0] == 0 and s8[1] != 0 and len(s8) == 2
+    assert s12[:2] == s8[:2] and s12[2] not in (0, s8[1]) and len(s12) == 3
+    assert s14[:3] == [0, 0, s12[2]] and s14[3] not in (0, s12[2])  # 3 freed, 5 kept to continue from
+    assert cached_positions(kv, "a", 1) == [2]  # state after 12 (after 8: freed, still cached in the pool)
+    for t in (100, 101):
+        a.append_token_ids(t)
+        step(kv, a, 1)
+    ssm = kv.get_block_ids("a")[1]
+    assert ssm[:3] == [0, 0, 0] and ssm[3] == s14[3]  # decodes in place; 16 tokens: block 3 is a checkpoint
+    assert cached_positions(kv, "a", 1) == [3]
+    kv.free(a)
+    b = kv.make_request("b", list(range(14)) + [100, 101, 7])
+    blocks, hit = kv.get_computed_blocks(b)
+    assert hit == 16 and [x.block_id for x in blocks.blocks[1]] == [0, 0, 0, s14[3]]
+    c = kv.make_request("c", list(range(14)) + [9, 9, 9])
+    blocks, hit = kv.get_computed_blocks(c)
+    assert hit == 12 and [x.block_id for x in blocks.blocks[1]] == [0, 0, s12[2]]  # not downward closed: 8 unused
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("retention, want", [(None, [0, 1, 2, 3]), (0, [2]), (8, [1, 2, 3])])
+def test_retention_interval_chooses_the_cached_checkpoints(retention, want):
+    """Block 4, a 14-token prompt in steps of 4 then 2 decodes (16 tokens): checkpoints after
+    4, 8, 12 and 16 tokens are written; which stay cached (position i = after 4(i+1))."""
+    kv = manager(full(4), state(4), retention=retention)
+    a = kv.make_request("a", list(range(14)))
+    stored = set()
+    for _ in range(4):
+        step(kv, a, min(4, a.num_tokens - a.num_computed_tokens))
+        stored |= set(cached_positions(kv, "a", 1))
+    for t in (100, 101):
+        a.append_token_ids(t)
+        step(kv, a, 1)
+        stored |= set(cached_positions(kv, "a", 1))
+    # position 0 (after 4) is never cached: it is neither the prompt's last checkpoint (12) nor a multiple of 8
+    assert sorted(stored) == want
+    kv.check_invariants()
+
+
+def test_a_hit_on_a_checkpoint_cached_this_step_waits_for_the_next_step():
+    kv = manager(full(4), state(4), retention=None)
+    a = kv.make_request("a", list(range(9)))
+    kv.new_step_starts()
+    assert kv.allocate_slots(a, 8) is not None  # caches the state after 8 (written by this step's model run)
+    a.num_computed_tokens = 8
+    b = kv.make_request("b", list(range(9)) + [5])
+    blocks, hit = kv.get_computed_blocks(b)
+    assert hit == 8
+    free = kv.num_free_blocks
+    assert kv.allocate_slots(b, b.num_tokens - hit, hit, blocks) is None  # same step: not yet written
+    assert kv.num_free_blocks == free and not kv.has_request("b")
+    kv.new_step_starts()
+    blocks, hit = kv.get_computed_blocks(b)
+    assert kv.allocate_slots(b, b.num_tokens - hit, hit, blocks) is not None
+    kv.check_invariants()
+
+
+def test_the_pool_bound_is_two_state_blocks_per_group():
+    s = state(4)
+    assert s.max_num_blocks(1000, 64) == 2 and s.max_num_blocks(3, None) == 1
+    kv = manager(full(4), state(4), state(4), num_blocks=200, retention=None)
+    a = kv.make_request("a", list(range(50)))
+    for n in (3, 17, 9, 21):
+        step(kv, a, n)
+        for table in kv.get_block_ids("a")[1:]:
+            assert 1 <= sum(b != 0 for b in table) <= 2
+
+
+# ----------------------------------------------------------------------------- aligned chunks
+@settings(max_examples=500, deadline=None)
+@given(bs=st.integers(1, 8), prompt=st.integers(1, 60), extra=st.integers(0, 5), start=st.integers(0, 64),
+       budget=st.integers(1, 40))
+def test_aligned_chunks(bs, prompt, extra, start, budget):
+    num_tokens = prompt + extra
+    start = min(start, num_tokens - 1)
+    n = min(budget, num_tokens - start)
+    got = aligned_num_new_tokens(start, n, prompt, num_tokens, bs)
+    assert 1 <= got <= n
+    end = start + got
+    prefill_end = max(prompt, num_tokens - 1)
+    if start >= prefill_end:
+        assert got == n
+        return
+    last = (num_tokens - 1) // bs * bs
+    if start < last:
+        assert end <= last  # the prompt's last checkpoint is reached, not jumped over
+    if start % bs and end > cdiv(start, bs) * bs:
+        raise AssertionError("a chunk starting inside a block ran past its end")
+    if end < prefill_end and end % bs:
+        # a chunk ends off a boundary only when it cannot reach one
+        assert end // bs * bs <= start
+
+
+# ----------------------------------------------------------------------------- specs
+def test_qwen3_next_state_and_unified_pages():
+    s = gated_delta_net_state(block_size=16, num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128,
+                              conv_kernel=4, dtype="bfloat16")
+    assert s.shapes == ((3, 8192), (32, 128, 128)) and s.real_page_size_bytes == 49_152 + 1_048_576
+    attn = full(16).__class__(block_size=16, num_kv_heads=2, head_size=256, dtype="bfloat16")
+    bs, (a,), (u,) = unify_page_sizes([attn], [s], block_size=16)
+    assert bs == 544 and a.page_size_bytes == u.page_size_bytes == 1_114_112 and u.padding_bytes == 16_384
+    m = mamba2_state(block_size=16, intermediate_size=8192, n_groups=8, state_size=128, num_heads=128, head_dim=64,
+                     conv_kernel=4, dtype="bfloat16", ssm_dtype="float32")
+    assert m.shapes == ((3, 10240), (128, 64, 128)) and m.dtypes == ("bfloat16", "float32")
+    assert not attn.covers(s) and s.covers(s) and not s.covers(attn)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(shapes=(), dtypes=()), dict(shapes=((0,),), dtypes=("float32",)), dict(shapes=((2,),), dtypes="float32"),
+    dict(shapes=((2,),), dtypes=("float32", "float32")), dict(shapes=((2,),), dtypes=("int3",)),
+    dict(shapes=((2,),), dtypes=("float32",), state_type="lstm"),
+    dict(shapes=((2,),), dtypes=("float32",), page_size_padded=7),
+])
+def test_bad_state_specs(kw):
+    with pytest.raises(InvalidSpecError):
+        StateSpec(block_size=4, **kw)
+
+
+@pytest.mark.parametrize("interval", [-1, 3, 2.0, "8", True])
+def test_bad_retention_intervals(interval):
+    with pytest.raises(InvalidConfigError):
+        manager(full(4), state(4), retention=interval)
+
+
+# ----------------------------------------------------------------------------- the fake-model machine
+BS = 2
+PREFIXES = [list(range(1, 16)), [1, 2, 3, 4, 20, 21, 22, 23, 24], [30, 31, 32, 33, 34, 35, 36]]
+
+
+class StateMachine(RuleBasedStateMachine):
+    """Steps of a scheduler over full + sliding + state groups with a fake model: a block's
+    content is what the model wrote there (attention: a block's tokens; state: the tokens the
+    state has seen). Before each step's model run, every block the step reads must hold the
+    request's own tokens: attention blocks in its window, and the state block it continues
+    from the state after exactly its computed tokens (a hit restored from a checkpoint too)."""
+
+    SPECS = (full(BS), state(BS), sliding(3, BS), state(BS))
+    RETENTION = None
+    STRIPE = True
+    NUM_BLOCKS = 36
+
+    def __init__(self):
+        super().__init__()
+        self.kv = manager(*self.SPECS, num_blocks=self.NUM_BLOCKS, retention=self.RETENTION, stripe=self.STRIPE,
+                          max_model_len=64)
+        self.content: dict[int, tuple] = {}
+        self.waiting: dict[str, object] = {}
+        self.running: dict[str, object] = {}
+        self.next_id = 0
+
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), cut=st.integers(1, 15), tail=st.lists(st.integers(40, 45), max_size=5))
+    def add_request(self, prefix, cut, tail):
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        self.waiting[rid] = self.kv.make_request(rid, PREFIXES[prefix][:cut] + tail)
+
+    @rule(data=st.data(), budget=st.integers(1, 12), align=st.booleans())
+    def step(self, data, budget, align):
+        kv = self.kv
+        kv.new_step_starts()
+        work = []  # (request, tokens computed before, new tokens)
+        for rid in sorted(self.running):
+            req = self.running[rid]
+            if budget <= 0 or not data.draw(st.booleans()):
+                continue
+            n = req.num_computed_tokens
+            if req.num_tokens >= 60:
+                self._free(rid)
+                continue
+            num_new = min(budget, req.num_tokens - n)
+            if align:
+                num_new = kv.align_num_new_tokens(req, n, num_new)
+            if kv.allocate_slots(req, num_new) is None:
+                self._free(rid, preempt=True)
+                continue
+            work.append((req, n, num_new))
+            budget -= num_new
+        for rid in sorted(self.waiting):
+            if budget <= 0 or not data.draw(st.booleans()):
+                continue
+            req = self.waiting[rid]
+            blocks, hit = kv.get_computed_blocks(req)
+            num_new = min(budget, req.num_tokens - hit)
+            if align:
+                num_new = kv.align_num_new_tokens(req, hit, num_new)
+            if kv.allocate_slots(req, num_new, hit, blocks) is None:
+                assert not kv.has_request(rid)
+                continue
+            del self.waiting[rid]
+            self.running[rid] = req
+            work.append((req, hit, num_new))
+            budget -= num_new
+        kv.check_invariants()
+        self._run_model(work)
+
+    def _run_model(self, work):
+        writes = []
+        for req, n, num_new in work:
+            tokens = req.all_token_ids
+            m = n + num_new
+            for spec, table in zip(self.SPECS, self.kv.get_block_ids(req.request_id)):
+                assert len(table) == cdiv(m, BS) or spec.kind != "mamba", (table, n, m)
+                if spec.kind == "mamba":
+                    if n:
+                        src = table[cdiv(n, BS) - 1]
+                        assert src != 0 and self.content.get(src) == ("state", tuple(tokens[:n])), (n, table)
+                    dst = table[cdiv(m, BS) - 1]
+                    assert dst != 0
+                    writes.append((dst, ("state", tuple(tokens[:m]))))
+                    continue
+                first = 0 if spec.kind == "full_attention" else max(0, n - spec.sliding_window + 1)
+                for i in range(first // BS, cdiv(n, BS)):  # blocks of earlier tokens it reads
+                    got = self.content.get(table[i])
+                    assert table[i] != 0 and got is not None and got[1] == tuple(tokens[i * BS:min((i + 1) * BS, n)])[:len(got[1])]
+                for i in range(n // BS, cdiv(m, BS)):  # blocks it writes
+                    writes.append((table[i], ("kv", tuple(tokens[i * BS:min((i + 1) * BS, m)]))))
+        for block, value in writes:  # after every read: the step's model run
+            self.content[block] = value
+        for req, n, num_new in work:
+            req.num_computed_tokens = n + num_new
+            if req.num_computed_tokens == req.num_tokens:
+                req.append_token_ids(50 + req.num_tokens % 3)
+
+    def _free(self, rid, preempt=False):
+        req = self.running.pop(rid)
+        self.kv.free(req)
+        if preempt:
+            req.num_computed_tokens = 0
+            self.waiting[rid] = req
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish(self, data):
+        self._free(data.draw(st.sampled_from(sorted(self.running))))
+
+    @invariant()
+    def consistent(self):
+        self.kv.check_invariants()
+        for rid in self.running:
+            for spec, table in zip(self.SPECS, self.kv.get_block_ids(rid)):
+                if spec.kind == "mamba":
+                    assert sum(b != 0 for b in table) <= 2
+
+    def teardown(self):
+        for rid in list(self.running):
+            self._free(rid)
+        self.kv.check_invariants()
+        assert self.kv.num_free_blocks == self.NUM_BLOCKS - 1
+
+
+SETTINGS = settings(max_examples=50, stateful_step_count=30, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+TestStateMachine = StateMachine.TestCase
+TestStateMachine.settings = SETTINGS
+
+
+class RetainPromptOnlyMachine(StateMachine):
+    RETENTION = 0
+    STRIPE = False
+
+
+TestRetainPromptOnly = RetainPromptOnlyMachine.TestCase
+TestRetainPromptOnly.settings = SETTINGS
+
+
+class EveryOtherBlockMachine(StateMachine):
+    SPECS = (state(BS), full(BS), state(BS), state(BS))
+    RETENTION = 2 * BS
+    NUM_BLOCKS = 30
+
+
+TestEveryOtherBlock = EveryOtherBlockMachine.TestCase
+TestEveryOtherBlock.settings = SETTINGS
