@@ -197,6 +197,7 @@ class StateMachine(RuleBasedStateMachine):
         super().__init__()
         self.kv = manager(*self.SPECS, num_blocks=self.NUM_BLOCKS, retention=self.RETENTION, stripe=self.STRIPE,
                           max_model_len=64)
+        self.specs = self.SPECS
         self.content: dict[int, tuple] = {}
         self.waiting: dict[str, object] = {}
         self.running: dict[str, object] = {}

@@ -26,9 +26,10 @@ Example (block 4, a replica of 1 full + 1 sliding-window 8 group)::
 
 Groups are learned from BlockStored events (index, kind, window / chunk, block size). A
 group whose metadata changes (the replica restarted with another config) clears the
-index first. Kinds the rules do not cover (mamba, or a chunked group without its chunk
-size, as vLLM 0.33 sends) are counted as bad events, their blocks still chained but
-never scored. AllBlocksCleared drops every block but keeps the learned groups;
+index first. State groups (``mamba``: linear attention, SSM) are scored by the core's
+state rule: a hit needs a checkpoint cached at exactly its length. Kinds the rules do
+not cover (a chunked group without its chunk size, as vLLM 0.33 sends) are counted as
+bad events, their blocks still chained but never scored. AllBlocksCleared drops every block but keeps the learned groups;
 :meth:`ReplicaIndex.clear` forgets the groups too. Nothing here raises on bad input:
 ``num_bad_events`` counts what was skipped (unknown parent chain, BlockRemoved of a
 block never stored, inconsistent metadata, malformed tokens). Not thread-safe: the
@@ -48,15 +49,18 @@ from hybridkv.core.coordinator import fixed_point_hit, hit_order
 from hybridkv.core.hashing import get_hash_fn, hash_block_tokens, seed_hash
 from hybridkv.core.managers import AttentionManager, manager_class_for
 from hybridkv.core.request import BlockHasher, Request
-from hybridkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from hybridkv.core.specs import CacheSpec, ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from hybridkv.core.state_spec import StateSpec
 from hybridkv.errors import HybridKVError, InvalidArgumentError
 
-__all__ = ["ReplicaIndex", "GroupInfo", "Prompt", "FULL_KINDS", "SLIDING_KINDS", "CHUNKED_KINDS"]
+__all__ = ["ReplicaIndex", "GroupInfo", "Prompt", "FULL_KINDS", "SLIDING_KINDS", "CHUNKED_KINDS", "STATE_KINDS"]
 
 #: wire kinds scored with full-attention rules (None: a pre-hybrid vLLM names no kind)
 FULL_KINDS = frozenset({"full_attention", "mla_attention", None})
 SLIDING_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
 CHUNKED_KINDS = frozenset({"chunked_local_attention"})
+#: recurrent state groups (vLLM names every state layer "mamba"); their events carry no span
+STATE_KINDS = frozenset({"mamba"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +74,13 @@ class GroupInfo:
     scored: bool = True
 
 
-def _spec(kind: str | None, span: Any, block_size: int) -> KVCacheSpec | None:
-    """The core spec whose manager applies the group's rules, None if none does."""
+def _spec(kind: str | None, span: Any, block_size: int) -> CacheSpec | None:
+    """The core spec whose manager applies the group's rules, None if none does (the
+    rules read only the block size, the kind and the window / chunk)."""
     common = dict(block_size=block_size, num_kv_heads=1, head_size=1)
     try:
+        if kind in STATE_KINDS:
+            return StateSpec(block_size=block_size, shapes=((1,),), dtypes=("float32",))
         if kind in FULL_KINDS:
             return FullAttentionSpec(**common)
         if kind in SLIDING_KINDS:
@@ -125,7 +132,7 @@ class _Group:
 
     __slots__ = ("info", "resident", "stored", "manager")
 
-    def __init__(self, info: GroupInfo, spec: KVCacheSpec | None):
+    def __init__(self, info: GroupInfo, spec: CacheSpec | None):
         self.info = info
         self.resident: dict[Any, int] = {}
         self.stored: dict[Any, list] = {}
@@ -226,7 +233,7 @@ class ReplicaIndex:
             return
         gid = 0 if e.group_idx is None else e.group_idx
         kind, span = e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window
-        info = GroupInfo(kind, None if kind in FULL_KINDS else span, bs)
+        info = GroupInfo(kind, None if kind in FULL_KINDS or kind in STATE_KINDS else span, bs)
         group = self._groups.get(gid)
         if group is None or group.info.kind != kind or group.info.span != info.span or group.info.block_size != bs:
             if group is not None:  # the replica restarted with another config
