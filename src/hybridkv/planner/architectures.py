@@ -26,7 +26,7 @@ config class reads and, for a key that is absent, uses that class's default
   layers ``i >= max_window_layers`` (28); ``layer_types`` wins when present.
 * **GPT-OSS**: ``layer_types``, else alternating: even layers slide over
   ``sliding_window`` (128), odd layers are full.
-* **Qwen3-Next / Qwen3.5** (Gated DeltaNet): ``layer_types`` ("linear_attention" /
+* **Qwen3-Next / Qwen3.5 / Qwen3.5-MoE** (Gated DeltaNet): ``layer_types`` ("linear_attention" /
   "full_attention"), else layer i is full when ``(i + 1) % full_attention_interval == 0``
   (interval 4), linear attention otherwise. Qwen3-Next-80B: 48 layers -> 3, 7, ..., 47 full.
   A linear-attention layer keeps no KV: its per-sequence state is issue #14's state spec,
@@ -263,6 +263,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt_oss", "GPT-OSS", ("GptOssForCausalLM",), ("gpt_oss",), TEXT_DEFAULTS["gpt_oss"], _gpt_oss),
     Family("qwen3_next", "Qwen3-Next", ("Qwen3NextForCausalLM",), ("qwen3_next",), TEXT_DEFAULTS["qwen3_next"],
            _qwen3_next),
+    Family("qwen3_5", "Qwen3.5", ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
+           ("qwen3_5", "qwen3_5_text"), TEXT_DEFAULTS["qwen3_5"], _qwen3_next),
+    Family("qwen3_5_moe", "Qwen3.5-MoE", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
+           ("qwen3_5_moe", "qwen3_5_moe_text"), TEXT_DEFAULTS["qwen3_5_moe"], _qwen3_next),
     Family("llama", "Llama", ("LlamaForCausalLM",), ("llama",), TEXT_DEFAULTS["llama"], _all_full),
 )
 

@@ -36,7 +36,7 @@ from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half, rope
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 from hybridkv.planner.architectures import LINEAR_KIND
 
-__all__ = ["Qwen3NextForCausalLM", "GatedAttention", "SparseMoeBlock"]
+__all__ = ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "GatedAttention", "SparseMoeBlock"]
 
 #: HF's default when neither rope_parameters nor the config says (Qwen3NextConfig.__post_init__)
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
@@ -109,13 +109,13 @@ class _Router(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Top-k softmax-routed experts plus a sigmoid-gated shared expert (HF names)."""
 
-    def __init__(self, model: "Qwen3NextForCausalLM") -> None:
+    def __init__(self, model: "Qwen3NextForCausalLM", norm_topk_prob: bool) -> None:
         super().__init__()
         cfg, h = model.config, model.hidden_size
         act = cfg.get("hidden_act", "silu")
         self.num_experts = int(require(cfg, "num_experts"))
         self.top_k = int(require(cfg, "num_experts_per_tok"))
-        self.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
+        self.norm_topk_prob = norm_topk_prob
         inter = int(require(cfg, "moe_intermediate_size"))
         self.gate = _Router(h, self.num_experts)
         self.experts = nn.ModuleList(GatedMLP(h, inter, act) for _ in range(self.num_experts))
@@ -180,6 +180,7 @@ class Qwen3NextForCausalLM(CausalLM):
     #: Qwen3.5 projects q|k|v, z, b and a with four linears (``in_proj_qkv`` ...)
     split_projections = False
     default_rope_theta = 10000.0
+    ignored_weights = ("mtp.",)
 
     def __init__(self, config: Mapping[str, Any], label: str = "config") -> None:
         super().__init__(config, label)
@@ -210,7 +211,7 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def _make_mlp(self, i: int) -> nn.Module:
         if self._is_moe(i):
-            return SparseMoeBlock(self)
+            return SparseMoeBlock(self, bool(self.config.get("norm_topk_prob", True)))
         return GatedMLP(self.hidden_size, require(self.config, "intermediate_size"),
                         self.config.get("hidden_act", "silu"))
 
@@ -256,3 +257,28 @@ class Qwen3NextForCausalLM(CausalLM):
             hidden = layer(hidden, positions, rope, meta, state)
         hidden = layers[-1](hidden, positions, rope, meta, state, keep=keep)
         return self.model.norm(hidden)
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5 (dense): Qwen3-Next's layers with split linear-attention projections
+    (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) and a dense MLP on every
+    layer. Its multimodal RoPE (``mrope_section``) rotates text tokens as plain RoPE (every
+    section has the same position), so a text-only run is the rotary above.
+    ``Qwen3_5ForConditionalGeneration`` checkpoints load their language model."""
+
+    family = "qwen3_5"
+    split_projections = True
+
+    def _is_moe(self, i: int) -> bool:
+        return False
+
+
+class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5-MoE: Qwen3.5's split projections, a MoE (with shared expert) on every layer,
+    top-k weights always renormalised (HF ``Qwen3VLMoeTextTopKRouter``)."""
+
+    family = "qwen3_5_moe"
+    split_projections = True
+
+    def _make_mlp(self, i: int) -> nn.Module:
+        return SparseMoeBlock(self, norm_topk_prob=True)
