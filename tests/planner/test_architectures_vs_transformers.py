@@ -112,8 +112,8 @@ CASES = {
     "gpt-oss-derived": base("GptOssForCausalLM", num_key_value_heads=2, head_dim=64),
     "gpt-oss-null-window": base("GptOssForCausalLM", num_key_value_heads=2, head_dim=64, sliding_window=None),
     "mistral-null-window": base("MistralForCausalLM", num_key_value_heads=2, sliding_window=None),
-    "qwen3-next-types": base("Qwen3NextForCausalLM", num_key_value_heads=2,
-                             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"] * 2),
+    "qwen3-next-types": base("Qwen3NextForCausalLM", num_key_value_heads=2, layer_types=[
+        "linear_attention", "full_attention", "linear_attention", "linear_attention"] * 2),
     "qwen3-next-interval-3": base("Qwen3NextForCausalLM", num_key_value_heads=2, full_attention_interval=3),
     "qwen3-next-defaults": base("Qwen3NextForCausalLM"),
     "qwen3.5-multimodal": {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",

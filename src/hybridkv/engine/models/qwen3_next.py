@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hybridkv.engine.attention import FULL, AttentionMetadata, paged_attention
-from hybridkv.engine.models.base import CausalLM, DecoderStack, RMSNorm, Rope, activation, require
+from hybridkv.engine.models.base import CausalLM, DecoderStack, RMSNorm, Rope, require
 from hybridkv.engine.models.gated_deltanet import GatedDeltaNet, StateMetadata, StateShape
 from hybridkv.engine.models.linear import Linear, PackedWeight, fuse_linears, linear
 from hybridkv.engine.models.llama import GatedMLP
