@@ -87,3 +87,52 @@ def test_a_submission_is_added_whole_or_not_at_all(tiny_llm):
 
     chunks = asyncio.run(main())
     assert chunks[-1].final is not None and len(chunks[-1].final.token_ids) == 2
+
+
+def test_a_steps_kv_events_are_published_before_its_model_step(tiny_dir):
+    """The engine thread publishes a step's events once it is scheduled, before the model
+    runs (a router sees evictions a model step sooner), and the events add up to all of
+    the manager's."""
+    from hybridkv.core.events import BlockStored
+    from hybridkv.engine.llm import LLM
+
+    from tests.server.conftest import engine_config
+
+    llm = LLM(str(tiny_dir), engine_config(enable_kv_events=True, max_num_batched_tokens=8))
+    order: list = []
+
+    class Publisher:
+        def publish(self, events):
+            order.append(("publish", sum(len(e.block_hashes) for e in events if isinstance(e, BlockStored))))
+
+        def close(self):
+            pass
+
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def traced(output):
+        order.append(("execute", sum(len(sr.token_ids) for sr in output.scheduled)))
+        return execute(output)
+
+    runner.execute = traced
+
+    async def main():
+        front = AsyncLLM(llm, kv_publisher=Publisher())
+        front.start()
+        try:
+            sub = await front.submit([list(range(3, 22))], [SamplingParams(max_tokens=3, ignore_eos=True)])
+            return [c async for c in sub]
+        finally:
+            await front.shutdown()
+
+    chunks = asyncio.run(main())
+    assert chunks[-1].final is not None
+    # 19 prompt tokens in chunks of 8 (blocks of 4), then decodes: a step's blocks are
+    # cached when it is scheduled, and published then, between scheduling and the model
+    groups = len(llm.engine.grouping.groups)
+    assert order[:2] == [("publish", 2 * groups), ("execute", 8)]
+    publishes = [i for i, (kind, _) in enumerate(order) if kind == "publish"]
+    assert all(order[i + 1][0] == "execute" for i in publishes), order
+    stored = sum(n for kind, n in order if kind == "publish")
+    assert stored == groups * ((19 + 2) // 4)  # every full block of the 21 computed tokens, in every group

@@ -57,6 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
                    help="ZMQ endpoint answering replay requests for missed events (default: none)")
     p.add_argument("--kv-events-topic", default="", metavar="TOPIC", help="topic of the event messages (default empty)")
+    p.add_argument("--no-prefix-refresh", action="store_true",
+                   help="keep vLLM's eviction order: a queued request's cached prefix is not marked as used "
+                        "when it arrives (default: it is, so the requests ahead of it evict other blocks first)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
                    help="server log level (default warning)")
     add_engine_options(p, max_num_seqs_default="64")
@@ -111,7 +114,7 @@ def _serve(args: argparse.Namespace, config, source, sock: socket.socket) -> int
     from hybridkv.server.async_llm import AsyncLLM
     from hybridkv.server.metrics import ServerMetrics
 
-    engine_cfg = engine_config(args, 64)
+    engine_cfg = dataclasses.replace(engine_config(args, 64), refresh_prefix_on_arrival=not args.no_prefix_refresh)
     if config.kv_events is not None:
         engine_cfg = dataclasses.replace(engine_cfg, enable_kv_events=True)
     llm = LLM(source, engine_cfg)

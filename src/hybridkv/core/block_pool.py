@@ -266,6 +266,20 @@ class BlockPool(PrefixCacheMap):
             block.ref_cnt += 1
         self._num_free -= revived
 
+    def refresh(self, blocks: Iterable[KVCacheBlock]) -> int:
+        """Move the free cached ones of ``blocks`` (plain blocks or stripe leads) to the LRU's
+        tail, in the order given: they become the last cached blocks to be evicted. Held,
+        null and uncached blocks are left alone; no reference is taken. Returns how many
+        entries moved. LRU head [a, b, c, d], refresh([b, a]) -> [c, d, b, a]."""
+        q = self.free_queue.lru
+        move = q.move_to_end
+        moved = 0
+        for block in blocks:
+            if block.ref_cnt == 0 and block.block_id in q and q[block.block_id] is block:
+                move(block.block_id)
+                moved += 1
+        return moved
+
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block (or stripe lead); those reaching 0 are free:
         uncached ones reused first, cached ones to the LRU tail in the order given.

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridkv.core.hashing import HASH_ALGOS
-from hybridkv.core.specs import KVCacheSpec
+from hybridkv.core.specs import CacheSpec
 from hybridkv.errors import InvalidConfigError
 
 __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "KVCacheGroup", "KVCacheConfig", "CacheManagerConfig"]
@@ -32,12 +32,12 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 class KVCacheGroup:
     """One group: a spec and the names of the layers that use it."""
 
-    spec: KVCacheSpec
+    spec: CacheSpec
     layer_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.spec, KVCacheSpec):
-            raise InvalidConfigError(f"KVCacheGroup.spec must be a KVCacheSpec, got {self.spec!r}")
+        if not isinstance(self.spec, CacheSpec):
+            raise InvalidConfigError(f"KVCacheGroup.spec must be a CacheSpec (attention KV or state), got {self.spec!r}")
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
 
 
@@ -68,7 +68,7 @@ class KVCacheConfig:
         return self.groups[0].spec.block_size
 
     @property
-    def specs(self) -> tuple[KVCacheSpec, ...]:
+    def specs(self) -> tuple[CacheSpec, ...]:
         return tuple(g.spec for g in self.groups)
 
     def max_blocks_per_request(self, num_tokens: int, max_num_batched_tokens: int | None = None) -> int:
@@ -89,6 +89,10 @@ class CacheManagerConfig:
     #: groups with one spec hold stripes (one block operation per position for all of them);
     #: False gives every group its own manager and blocks, as vLLM does
     stripe_groups: bool = True
+    #: which state checkpoints state groups cache (vLLM's ``prefix_cache_retention_interval``):
+    #: None every block, 0 the prompt's last block only, k every k tokens (a multiple of the
+    #: block size) and the prompt's last (:mod:`hybridkv.core.managers.state`)
+    prefix_cache_retention_interval: int | None = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len <= 0:
@@ -96,5 +100,10 @@ class CacheManagerConfig:
         for name in ("enable_caching", "use_eagle", "enable_kv_events", "stripe_groups"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        interval = self.prefix_cache_retention_interval
+        if interval is not None and (type(interval) is not int or interval < 0):
+            raise InvalidConfigError(
+                f"prefix_cache_retention_interval must be None or an int >= 0, got {interval!r}"
+            )
         if not isinstance(self.hash_algo, str) or self.hash_algo not in HASH_ALGOS:
             raise InvalidConfigError(f"unknown hash algorithm {self.hash_algo!r}; expected one of {sorted(HASH_ALGOS)}")

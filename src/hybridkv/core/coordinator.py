@@ -28,7 +28,7 @@ from typing import Sequence
 from hybridkv.core.block_pool import BlockPool, KVCacheBlock
 from hybridkv.core.config import KVCacheConfig
 from hybridkv.core.hashing import BlockHash
-from hybridkv.core.managers import AttentionManager, manager_class_for
+from hybridkv.core.managers import AttentionManager, StateManager, manager_class_for
 from hybridkv.core.request import Request
 from hybridkv.errors import InvalidArgumentError, InvariantViolation, StaleHitError
 
@@ -52,6 +52,7 @@ class KVCacheCoordinator:
         enable_kv_events: bool = False,
         uncached_first: bool = True,
         stripe_groups: bool = True,
+        retention_interval: int | None = 0,
     ):
         self.config = kv_cache_config
         self.num_groups = len(kv_cache_config.groups)
@@ -72,9 +73,13 @@ class KVCacheCoordinator:
         for gid, group in enumerate(kv_cache_config.groups):
             by_spec.setdefault(group.spec if stripe_groups else gid, []).append(gid)
         self.managers: list[AttentionManager] = []
+        options = {"retention_interval": retention_interval}
         for gids in by_spec.values():
             spec = kv_cache_config.groups[gids[0]].spec
-            self.managers.append(manager_class_for(spec)(spec, gids, self.pool, enable_caching))
+            cls = manager_class_for(spec)
+            self.managers.append(cls(spec, gids, self.pool, enable_caching, **{k: options[k] for k in cls.options}))
+        #: state groups' managers: per-step bookkeeping (checkpoints cached this step), aligned chunks
+        self.state_managers = [m for m in self.managers if isinstance(m, StateManager)]
         # full attention first: cheapest bound on the hit length
         self.find_order = hit_order(self.managers)
         self.skipping_managers = [m for m in self.managers if not m.downward_closed]
@@ -86,6 +91,10 @@ class KVCacheCoordinator:
         # request id -> (its live id lists by group, the striped managers' states to sync)
         self._ids: dict[str, tuple[tuple[list[int], ...], list]] = {}
         self.striped_managers = [m for m in self.managers if m.width > 1]
+
+    def new_step_starts(self) -> None:
+        for m in self.state_managers:
+            m.new_step()
 
     # ------------------------------------------------------------------ hits
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[PerGroup, int]:

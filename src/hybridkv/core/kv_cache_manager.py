@@ -32,6 +32,7 @@ from hybridkv.core.events import KVCacheEvent
 from hybridkv.core.kv_cache_blocks import KVCacheBlocks
 from hybridkv.core.hashing import MultiModalFeature
 from hybridkv.core.managers.base import NEVER
+from hybridkv.core.managers.state import aligned_num_new_tokens
 from hybridkv.core.request import BlockHasher, Request
 from hybridkv.errors import (
     InvalidArgumentError,
@@ -81,6 +82,7 @@ class KVCacheManager:
             enable_kv_events=config.enable_kv_events,
             uncached_first=uncached_first,
             stripe_groups=config.stripe_groups,
+            retention_interval=config.prefix_cache_retention_interval,
         )
         self.pool = self.coordinator.pool
         self.hasher = BlockHasher(self.block_size, config.hash_algo) if config.enable_caching else None
@@ -409,6 +411,42 @@ class KVCacheManager:
             return 0
         request = self.make_request("peek", token_ids)
         return self.coordinator.find_hit(request.block_hashes, request.num_tokens - 1)[1]
+
+    def new_step_starts(self) -> None:
+        """A scheduler step begins (vLLM's hook): state checkpoints cached in the last step
+        are written by now, so new requests may continue from them."""
+        self.coordinator.new_step_starts()
+
+    def align_num_new_tokens(self, request: Request, num_computed: int, num_new: int) -> int:
+        """How many of ``num_new`` tokens a prefill step should compute from ``num_computed``
+        so that state groups can cache their checkpoints (chunks end on block boundaries:
+        :func:`~hybridkv.core.managers.state.aligned_num_new_tokens`); ``num_new`` without
+        state groups or prefix caching. A scheduler asks it for every chunk."""
+        if not self.coordinator.state_managers or not self.enable_caching:
+            return num_new
+        return aligned_num_new_tokens(num_computed, num_new, request.num_prompt_tokens, request.num_tokens,
+                                      self.block_size)
+
+    def refresh_prefix_hit(self, request: Request) -> int:
+        """Mark the cached prefix ``request`` would hit now as just used: its free blocks move
+        to the LRU's tail (:meth:`BlockPool.refresh`), so that the requests scheduled before
+        it evict other cached blocks first. Takes no reference and counts no query; the
+        hit is found again, as usual, when the request is scheduled. Returns the hit's
+        tokens (whole blocks, at most ``num_tokens - 1``).
+
+        For a request queued behind others (a server, or a router that sent it here
+        because of this prefix): without it, a long queue's allocations can evict the
+        prefix it came for. SGLang's radix cache refreshes a match's access time on the
+        same occasion. Within each group the hit's tail blocks move first, so they stay
+        evicted before its head, as when a request frees its blocks.
+        """
+        self._check_request(request)
+        if not self.enable_caching or request.num_tokens < 2:
+            return 0
+        hit, num_hit = self.coordinator.find_hit(request.block_hashes, request.num_tokens - 1)
+        for leads in hit.values():
+            self.pool.refresh(leads[::-1])
+        return num_hit
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV events since the last call (only when built with enable_kv_events)."""

@@ -38,6 +38,7 @@ __all__ = [
     "dtype_bytes",
     "cdiv",
     "span_blocks",
+    "CacheSpec",
     "KVCacheSpec",
     "FullAttentionSpec",
     "SlidingWindowSpec",
@@ -105,62 +106,49 @@ def _check_count(name: str, value: object, minimum: int) -> None:
         raise InvalidSpecError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-S = TypeVar("S", bound="KVCacheSpec")
+S = TypeVar("S", bound="CacheSpec")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class KVCacheSpec:
-    """Fields shared by every attention spec. Not used directly."""
+class CacheSpec:
+    """What every group spec shares: attention KV (:class:`KVCacheSpec`) and recurrent
+    state (:class:`~hybridkv.core.state_spec.StateSpec`). Not used directly.
+
+    ``block_size`` is the tokens one block position stands for: the hash chain's unit,
+    equal in every group of a pool.
+    """
 
     block_size: int
-    num_kv_heads: int
-    head_size: int
-    dtype: str = "bfloat16"
 
-    #: short name of the attention type, used in events and reports
+    #: short name of the cache type, used in events and reports
     kind: ClassVar[str] = "abstract"
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
-        _check_positive_int("num_kv_heads", self.num_kv_heads)
-        _check_positive_int("head_size", self.head_size)
-        canonical = _DTYPE_ALIASES.get(self.dtype, self.dtype)
-        dtype_bytes(canonical)
-        if canonical != self.dtype:
-            object.__setattr__(self, "dtype", canonical)
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes of one block of this layer: K and V, every head, every token."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * dtype_bytes(self.dtype)
+        """Bytes of one block of one layer."""
+        raise NotImplementedError
 
     @property
     def type_id(self) -> str:
         """Equal for specs whose blocks are interchangeable (same type, window/chunk, page)."""
-        return f"{self.kind}_{self.block_size}_{self.page_size_bytes}"
+        raise NotImplementedError
 
     @property
     def attention_span(self) -> int | None:
-        """Most earlier tokens one token attends to (window / chunk); None: unbounded (full)."""
+        """Most earlier tokens one token attends to (window / chunk); None: unbounded (full)
+        or not attention (state)."""
         return None
 
-    def covers(self, other: "KVCacheSpec") -> bool:
-        """True when a layer whose own spec is ``other`` may keep its KV in a group of this
-        spec: this spec never frees a block that layer's attention still reads.
-
-        The one rule for mixing attention types in a group (the runner asks it; the
-        ``--no-hybrid`` layout puts every layer in full groups). Full covers every kind;
-        sliding window W covers any layer reading at most W keys back (sliding w <= W,
-        chunked c <= W: a chunk reaches at most c - 1 tokens back); chunked C covers
-        chunked c when C is a multiple of c (each c-chunk lies inside one C-chunk), and a
-        layer that reads only its own key (window or chunk 1).
-        Full in sliding 512: False; sliding 512 in full: True; chunked 256 in chunked
-        8192: True; chunked 8192 in chunked 256: False.
-        """
+    def covers(self, other: "CacheSpec") -> bool:
+        """True when a layer whose own spec is ``other`` may keep its cache in a group of
+        this spec (see :meth:`KVCacheSpec.covers`)."""
         raise NotImplementedError
 
     def max_num_tokens(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
-        """Most tokens of one request this layer holds at once (see :meth:`max_num_blocks`)."""
+        """Most tokens of one request whose blocks this layer holds at once (see :meth:`max_num_blocks`)."""
         raise NotImplementedError
 
     def _max_blocks(self, max_model_len: int, budget: int) -> int:
@@ -198,13 +186,57 @@ class KVCacheSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class KVCacheSpec(CacheSpec):
+    """Fields shared by every attention spec. Not used directly."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        CacheSpec.__post_init__(self)
+        _check_positive_int("num_kv_heads", self.num_kv_heads)
+        _check_positive_int("head_size", self.head_size)
+        canonical = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        dtype_bytes(canonical)
+        if canonical != self.dtype:
+            object.__setattr__(self, "dtype", canonical)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of this layer: K and V, every head, every token."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * dtype_bytes(self.dtype)
+
+    @property
+    def type_id(self) -> str:
+        """Equal for specs whose blocks are interchangeable (same type, window/chunk, page)."""
+        return f"{self.kind}_{self.block_size}_{self.page_size_bytes}"
+
+    def covers(self, other: CacheSpec) -> bool:
+        """True when a layer whose own spec is ``other`` may keep its KV in a group of this
+        spec: this spec never frees a block that layer's attention still reads.
+
+        The one rule for mixing attention types in a group (the runner asks it; the
+        ``--no-hybrid`` layout puts every attention layer in full groups). Full covers
+        every attention kind (not recurrent state); sliding window W covers any layer
+        reading at most W keys back (sliding w <= W, chunked c <= W: a chunk reaches at
+        most c - 1 tokens back); chunked C covers chunked c when C is a multiple of c
+        (each c-chunk lies inside one C-chunk), and a layer that reads only its own key
+        (window or chunk 1).
+        Full in sliding 512: False; sliding 512 in full: True; chunked 256 in chunked
+        8192: True; chunked 8192 in chunked 256: False.
+        """
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FullAttentionSpec(KVCacheSpec):
     """Every token attends to every earlier token: a request holds all its blocks."""
 
     kind: ClassVar[str] = "full_attention"
 
-    def covers(self, other: KVCacheSpec) -> bool:
-        return True
+    def covers(self, other: CacheSpec) -> bool:
+        return isinstance(other, KVCacheSpec)
 
     def max_num_tokens(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
         return max_model_len
@@ -239,7 +271,7 @@ class SlidingWindowSpec(KVCacheSpec):
     def attention_span(self) -> int:
         return self.sliding_window
 
-    def covers(self, other: KVCacheSpec) -> bool:
+    def covers(self, other: CacheSpec) -> bool:
         span = other.attention_span
         return span is not None and span <= self.sliding_window
 
@@ -277,7 +309,7 @@ class ChunkedLocalAttentionSpec(KVCacheSpec):
     def attention_span(self) -> int:
         return self.attention_chunk_size
 
-    def covers(self, other: KVCacheSpec) -> bool:
+    def covers(self, other: CacheSpec) -> bool:
         span = other.attention_span  # a layer reading only its own key (span 1) fits any group
         return span == 1 or (other.kind == self.kind and self.attention_chunk_size % span == 0)
 

@@ -33,7 +33,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -77,6 +77,7 @@ class EngineConfig:
     debug_checks: bool = False  # check every KV write for null-block slots
     hybrid: bool = True  # False: every layer's KV kept as full attention (the all-full layout)
     enable_kv_events: bool = False  # record KV cache events (drained by engine.kv.take_events())
+    refresh_prefix_on_arrival: bool = False  # SchedulerConfig.refresh_prefix_on_arrival (the server's default: on)
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.kv_cache_memory is not None:
@@ -184,6 +185,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 admission=config.admission,
+                refresh_prefix_on_arrival=config.refresh_prefix_on_arrival,
             ),
         )
         self.storage = PagedKVStorage(
@@ -266,11 +268,17 @@ class LLMEngine:
             now,
         )
 
-    def step_deltas(self) -> list[RequestDelta]:
+    def step_deltas(self, on_scheduled: Callable[[], None] | None = None) -> list[RequestDelta]:
         """One scheduler step through the model: per request that gained tokens (or finished)
-        in it, the new token ids and, if it finished, its output (in schedule order)."""
+        in it, the new token ids and, if it finished, its output (in schedule order).
+
+        ``on_scheduled`` is called once the step is scheduled, before the model runs: the
+        step's KV cache events (its evictions and newly cached blocks) are all known then,
+        and a server publishes them a model step earlier than after the step."""
         sched = self.scheduler
         output = sched.schedule()
+        if on_scheduled is not None:
+            on_scheduled()
         for sr in output.scheduled:  # admitted this step: count its prefix hit once
             seq = sched.sequences[sr.request_id]
             if seq.admitted_step == output.step:

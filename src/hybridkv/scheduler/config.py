@@ -36,17 +36,25 @@ class SchedulerConfig:
         512-token first chunk.
       - ``"first_chunk"`` (vLLM's ``scheduler_reserve_full_isl=False``): as soon as its
         first chunk fits. Admits more, then preempts more when later chunks don't fit.
+    * ``refresh_prefix_on_arrival``: a queued request's cached prefix is marked as just
+      used (:meth:`KVCacheManager.refresh_prefix_hit`), so the requests that run before it
+      evict other cached blocks first. Off by default (vLLM's order); the server turns it
+      on: a router sends a request to the replica holding its prefix, which must then last
+      until the request is scheduled.
     """
 
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 256
     max_model_len: int = 8192
     admission: str = "full_prompt"
+    refresh_prefix_on_arrival: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidConfigError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.refresh_prefix_on_arrival, bool):
+            raise InvalidConfigError(f"refresh_prefix_on_arrival must be a bool, got {self.refresh_prefix_on_arrival!r}")
         if self.admission not in ADMISSION_POLICIES:
             raise InvalidConfigError(f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}")

@@ -98,6 +98,8 @@ class Scheduler:
         seq = Sequence(request, sampling, arrival_step=self.step_count)
         self.sequences[request_id] = seq
         self.waiting.append(seq)
+        if self.config.refresh_prefix_on_arrival:
+            self.kv.refresh_prefix_hit(request)
         return seq
 
     def peak_blocks(self, num_tokens: int) -> int:
@@ -139,12 +141,14 @@ class Scheduler:
         work: list[tuple[Sequence, int, int]] = []  # (seq, computed before, new tokens)
         preempted: list[Sequence] = []
 
+        kv.new_step_starts()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             req = seq.request
             computed = req.num_computed_tokens
             num_new = min(req.num_tokens - computed, budget, max_len - computed - 1)
+            num_new = kv.align_num_new_tokens(req, computed, num_new)
             if num_new <= 0:
                 i += 1
                 continue
@@ -166,7 +170,7 @@ class Scheduler:
                 seq = self.waiting[0]
                 req = seq.request
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
-                num_new = min(req.num_tokens - num_hit, budget)
+                num_new = kv.align_num_new_tokens(req, num_hit, min(req.num_tokens - num_hit, budget))
                 fits = not full_prompt or self.blocks_to_admit(req, hit_blocks, num_hit) <= kv.num_free_blocks
                 if not fits or kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
                     if not self.running:

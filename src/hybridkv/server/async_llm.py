@@ -279,7 +279,7 @@ class AsyncLLM:
             self._wake.wait()
             self._wake.clear()
             return False
-        self._dispatch(engine.step_deltas())
+        self._dispatch(engine.step_deltas(self._publish_events))
         self._publish_and_measure()
         return False
 
@@ -411,17 +411,24 @@ class AsyncLLM:
             )
         )
 
-    def _publish_and_measure(self) -> None:
-        engine = self.engine
-        try:
-            if self.kv_publisher is not None:
-                events = engine.kv.take_events()
+    def _publish_events(self) -> None:
+        """The KV events recorded since the last call, published (a step's are all known once
+        it is scheduled: it goes out before the model runs, a router sees it a step sooner)."""
+        if self.kv_publisher is not None:
+            try:
+                events = self.engine.kv.take_events()
                 if events:
                     self.kv_publisher.publish(events)
-            if self.metrics is not None:
-                self.metrics.on_step(engine)
-        except Exception:  # pragma: no cover - never let telemetry stop the engine
-            log.exception("publishing KV events / metrics failed")
+            except Exception:  # pragma: no cover - never let telemetry stop the engine
+                log.exception("publishing KV events failed")
+
+    def _publish_and_measure(self) -> None:
+        self._publish_events()
+        if self.metrics is not None:
+            try:
+                self.metrics.on_step(self.engine)
+            except Exception:  # pragma: no cover - never let telemetry stop the engine
+                log.exception("updating metrics failed")
 
 
 def _deliver(items: list[tuple[Submission, Chunk]]) -> None:

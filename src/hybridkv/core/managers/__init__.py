@@ -6,7 +6,9 @@ from hybridkv.core.managers.base import AttentionManager, RequestBlocks
 from hybridkv.core.managers.chunked_local import ChunkedLocalAttentionManager
 from hybridkv.core.managers.full import FullAttentionManager
 from hybridkv.core.managers.sliding_window import SlidingWindowManager
-from hybridkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from hybridkv.core.managers.state import StateManager
+from hybridkv.core.specs import CacheSpec, ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from hybridkv.core.state_spec import StateSpec
 from hybridkv.errors import InvalidSpecError
 
 __all__ = [
@@ -15,19 +17,21 @@ __all__ = [
     "FullAttentionManager",
     "SlidingWindowManager",
     "ChunkedLocalAttentionManager",
+    "StateManager",
     "MANAGER_FOR_SPEC",
     "manager_class_for",
 ]
 
 #: spec class -> manager class; a new attention type adds one entry (and one module)
-MANAGER_FOR_SPEC: dict[type[KVCacheSpec], type[AttentionManager]] = {
+MANAGER_FOR_SPEC: dict[type[CacheSpec], type[AttentionManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
     ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+    StateSpec: StateManager,
 }
 
 
-def manager_class_for(spec: KVCacheSpec) -> type[AttentionManager]:
+def manager_class_for(spec: CacheSpec) -> type[AttentionManager]:
     try:
         return MANAGER_FOR_SPEC[type(spec)]
     except KeyError:

@@ -34,7 +34,7 @@ from typing import Sequence
 from hybridkv.core.block_pool import BlockPool, KVCacheBlock
 from hybridkv.core.hashing import BlockHash
 from hybridkv.core.request import Request
-from hybridkv.core.specs import KVCacheSpec, cdiv
+from hybridkv.core.specs import CacheSpec, cdiv
 from hybridkv.errors import InvariantViolation, UnknownRequestError
 
 __all__ = ["AttentionManager", "RequestBlocks", "NEVER"]
@@ -75,8 +75,11 @@ class AttentionManager(ABC):
 
     #: True when every prefix of a valid hit is also a valid hit (full attention)
     downward_closed = False
+    #: the coordinator's options this type takes as keyword arguments (e.g. the state
+    #: groups' ``retention_interval``)
+    options: tuple[str, ...] = ()
 
-    def __init__(self, spec: KVCacheSpec, group_ids: Sequence[int], pool: BlockPool, enable_caching: bool = True):
+    def __init__(self, spec: CacheSpec, group_ids: Sequence[int], pool: BlockPool, enable_caching: bool = True):
         self.spec = spec
         self.block_size = spec.block_size
         self.group_ids = tuple(group_ids)
@@ -91,7 +94,7 @@ class AttentionManager(ABC):
         self._map = pool.group_map(self.group_ids[0])  # hash -> block (stripe lead)
 
     @classmethod
-    def detached(cls, spec: KVCacheSpec, lookup_map: dict, null: object = None) -> "AttentionManager":
+    def detached(cls, spec: CacheSpec, lookup_map: dict, null: object = None) -> "AttentionManager":
         """A manager of one group with no pool, whose hit search (``longest_hit``) reads
         ``lookup_map`` (block hash -> any value but None or a dict, e.g. a count) in place
         of a pool's prefix-cache map; positions it need not see hold ``null``. Only the
@@ -320,11 +323,8 @@ class AttentionManager(ABC):
                 )
             if [b.block_id for b in st.blocks] != st.ids[0]:
                 raise InvariantViolation(f"request {rid!r}: block id list out of sync with its table")
+            self._check_table_shape(rid, st)
             for i, block in enumerate(st.blocks):
-                if block.is_null != (i < st.num_skipped):
-                    raise InvariantViolation(
-                        f"request {rid!r}: block {block.block_id} at {i} with {st.num_skipped} skipped"
-                    )
                 if not block.is_null and self.width > 1 and (block.stripe is None or len(block.stripe) != self.width):
                     raise InvariantViolation(f"request {rid!r}: block {block.block_id} at {i} is no stripe of {self.width}")
             for g, ids in enumerate(st.ids[1:], 1):
@@ -335,6 +335,12 @@ class AttentionManager(ABC):
                 for block in table:
                     if not block.is_null:
                         ref_counts[block.block_id] = ref_counts.get(block.block_id, 0) + 1
+
+    def _check_table_shape(self, rid: str, st: RequestBlocks) -> None:
+        """Null blocks exactly at the skipped positions (the leading ones)."""
+        for i, block in enumerate(st.blocks):
+            if block.is_null != (i < st.num_skipped):
+                raise InvariantViolation(f"request {rid!r}: block {block.block_id} at {i} with {st.num_skipped} skipped")
 
 
 class _DetachedPool:

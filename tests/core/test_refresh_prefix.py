@@ -1,0 +1,116 @@
+"""``BlockPool.refresh`` and ``KVCacheManager.refresh_prefix_hit``: a queued request's cached
+prefix moves to the LRU's tail, nothing else changes (references, free count, hashes)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
+from hybridkv.core.kv_cache_manager import KVCacheManager
+from hybridkv.scheduler.config import SchedulerConfig
+from hybridkv.scheduler.interface import SamplingParams
+from hybridkv.scheduler.scheduler import Scheduler
+
+from tests.core.helpers import chunked, full, pool_snapshot, sliding
+
+
+def manager(*specs, num_blocks=64, **kw):
+    cfg = KVCacheConfig(num_blocks, tuple(KVCacheGroup(s) for s in specs))
+    return KVCacheManager(cfg, CacheManagerConfig(max_model_len=1000, **kw))
+
+
+def run(kv, rid, tokens):
+    """Prefill ``tokens`` as one request, then free it: its blocks stay cached, free."""
+    req = kv.make_request(rid, tokens)
+    blocks, n = kv.get_computed_blocks(req)
+    assert kv.allocate_slots(req, req.num_tokens - n, n, blocks) is not None
+    req.num_computed_tokens = req.num_tokens
+    kv.free(req)
+    kv.check_invariants()
+    return req
+
+
+def test_refresh_moves_free_cached_blocks_to_the_tail_in_order():
+    kv = manager(full(4), num_blocks=16)
+    run(kv, "a", list(range(9)))  # blocks of 2 full blocks cached (8 tokens), freed tail-first
+    run(kv, "b", list(range(100, 109)))
+    lru = list(kv.pool.free_queue.lru)
+    assert len(lru) == 4
+    a_blocks = [b for b in kv.pool.free_queue.lru.values() if b.block_id in lru[:2]]
+    moved = kv.pool.refresh(a_blocks[::-1])
+    assert moved == 2
+    assert list(kv.pool.free_queue.lru) == lru[2:] + [b.block_id for b in a_blocks[::-1]]
+
+
+def test_refresh_leaves_held_null_and_foreign_blocks_alone():
+    kv = manager(full(4), sliding(5), num_blocks=32)
+    req = kv.make_request("a", list(range(13)))
+    assert kv.allocate_slots(req, 13) is not None
+    req.num_computed_tokens = 13
+    before = pool_snapshot(kv.pool)
+    held = [b for g in kv.get_blocks("a").blocks for b in g]
+    other = manager(full(4), num_blocks=32)
+    run(other, "x", list(range(9)))
+    assert kv.pool.refresh(held + [kv.pool.null_block] + list(other.pool.free_queue.lru.values())) == 0
+    assert pool_snapshot(kv.pool) == before
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_refresh_prefix_hit_changes_only_the_lru_order_and_protects_the_hit(seed):
+    rng = random.Random(seed)
+    specs = rng.choice([(full(4),), (full(4), sliding(6)), (full(4), chunked(8)), (full(4), sliding(5), chunked(8))])
+    kv = manager(*specs, num_blocks=rng.randrange(24, 48))
+    prompts = [[rng.randrange(50) for _ in range(rng.randrange(5, 26))] for _ in range(6)]
+    for i in range(20):
+        base = rng.choice(prompts)
+        run(kv, f"r{i}", base[: rng.randrange(2, len(base) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(3))])
+        probe = kv.make_request(f"p{i}", rng.choice(prompts))
+        before = pool_snapshot(kv.pool)
+        stats = (kv.stats.requests, kv.stats.queries, kv.stats.hits)
+        hit_before = kv.peek_prefix_hit(probe.all_token_ids)
+        assert kv.refresh_prefix_hit(probe) == hit_before
+        after = pool_snapshot(kv.pool)
+        # blocks, hash maps, free count, epoch unchanged; the LRU holds the same entries
+        assert after[0] == before[0] and after[2:] == before[2:]
+        assert sorted(after[1][0]) == sorted(before[1][0]) and after[1][1] == before[1][1]
+        assert (kv.stats.requests, kv.stats.queries, kv.stats.hits) == stats
+        assert kv.peek_prefix_hit(probe.all_token_ids) == hit_before
+        kv.check_invariants()
+        if hit_before:  # the hit's free blocks are now the LRU's last entries
+            hit, _ = kv.coordinator.find_hit(probe.block_hashes, probe.num_tokens - 1)
+            free_hit = {b.block_id for leads in hit.values() for b in leads if b.ref_cnt == 0 and not b.is_null}
+            tail = list(kv.pool.free_queue.lru)[len(kv.pool.free_queue.lru) - len(free_hit):]
+            assert set(tail) == free_hit
+
+
+def test_scheduler_refresh_keeps_a_queued_requests_prefix_through_the_queue_ahead():
+    """Pool of 14 blocks (block 4): a cached 8-token prefix at the LRU head, then a queued
+    request wanting it behind a running one that needs all other free blocks and one more.
+    With refresh the running request evicts the other cached blocks; without, the prefix."""
+
+    def scenario(refresh: bool) -> int:
+        kv = manager(full(4), num_blocks=14)
+        sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, max_model_len=64,
+                                              refresh_prefix_on_arrival=refresh))
+        run(kv, "warm", list(range(9)))          # 2 cached blocks (prefix 0..7) at the LRU head
+        run(kv, "filler", list(range(100, 141)))  # 10 cached blocks after them
+        two = SamplingParams(max_tokens=2)
+        sched.add_request("big", list(range(200, 241)), two)  # 41 + 2 tokens: 11 blocks
+        sched.add_request("want", list(range(9)), two)        # queued behind it, hit 8 if kept
+        assert kv.pool.num_free_blocks == 13
+        seen = {}
+        for _ in range(60):
+            out = sched.schedule()
+            for sr in out.scheduled:
+                seq = sched.sequences[sr.request_id]
+                seen.setdefault(sr.request_id, seq.num_cached_tokens)
+            sched.update_from_output(out, {sr.request_id: 1 for sr in out.scheduled if sr.sample})
+            sched.check_invariants()
+            if not sched.has_unfinished_requests():
+                break
+        return seen["want"]
+
+    assert scenario(refresh=True) == 8
+    assert scenario(refresh=False) == 0
