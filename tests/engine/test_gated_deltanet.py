@@ -177,7 +177,7 @@ def test_stateful_conv_equals_conv_over_whole_sequence(seed):
     torch.testing.assert_close(torch.cat([a, b]), want, atol=1e-5, rtol=1e-5)
     # the state is the last K-1 inputs (zeros before the first token)
     tail = torch.cat([torch.zeros(kernel - 1, c), mixed])[-(kernel - 1):]
-    torch.testing.assert_close(storage.conv(3)[4], tail.t())
+    torch.testing.assert_close(storage.conv(3)[4], tail)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -231,3 +231,16 @@ def test_metadata_checks():
         StateMetadata.build(storage, [1], [8], [[(1, 1)]])
     meta = StateMetadata.build(storage, [1, 4, 1], [2, -1, 5], [[(1, 2)], [(2, 0), (4, 1)], [(1, 5)]])
     assert (meta.decodes, meta.prefills, meta.cu_starts, meta.num_tokens) == ((0, 2), (1,), (0, 1, 5), 6)
+
+
+def test_bf16_state_pools():
+    """Pools may hold bf16 (the core's example sizes bf16 states); the maths stays fp32."""
+    layer = _layer(2, chunk=4)
+    x = torch.randn(9, 16, generator=torch.Generator().manual_seed(5))
+    want, _ = _one_pass(layer, x)
+    storage = StateStorage([3], 8, layer.state_shape(), dtype=torch.bfloat16, ssm_dtype=torch.bfloat16)
+    first = _run(layer, storage, x[:5], [5], [-1], [[(5, 1)]])
+    rest = [_run(layer, storage, x[t : t + 1], [1], [1], [[(1, 1)]]) for t in range(5, 9)]
+    assert storage.ssm(3).dtype == storage.conv(3).dtype == torch.bfloat16
+    torch.testing.assert_close(first, want[:5], atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(rest), want[5:], atol=0.1, rtol=0.05)

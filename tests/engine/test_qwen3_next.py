@@ -228,7 +228,7 @@ def test_layers_and_loading(tiny, tmp_path):
     specs = model_layers({"architectures": ["Qwen3NextForCausalLM"], **ours.config}).specs
     assert specs[0] is None and specs[1].kind == "full_attention"
     shape = ours.state_shape()
-    assert (shape.conv_shape, shape.ssm_shape) == ((2 * 2 * 16 + 4 * 8, 3), (4, 16, 8))
+    assert (shape.conv_shape, shape.ssm_shape) == ((3, 2 * 2 * 16 + 4 * 8), (4, 16, 8))
     # the 80B layout: every 4th layer full
     m = model_layers({"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 48, "hidden_size": 2048})
     assert [i for i, k in enumerate(m.kinds) if k.kind == "full"] == list(range(3, 48, 4))

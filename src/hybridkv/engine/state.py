@@ -1,7 +1,7 @@
 """Per-sequence state of linear-attention layers (Gated DeltaNet): the slot pools and a step's metadata.
 
 A linear-attention layer keeps, per sequence, a fixed-size state instead of KV: two tensors
-(:class:`StateShape`), ``conv`` [conv_dim, K - 1] (the causal conv1d's last inputs, in the
+(:class:`StateShape`), ``conv`` [K - 1, conv_dim] (the causal conv1d's last inputs, in the
 model's dtype) and ``ssm`` [Hv, Dk, Dv] (the recurrent memory, float32). They live in two
 pools per layer (:class:`StateStorage`) addressed by *slot*. A step's :class:`StateMetadata`
 says, per sequence of the flat batch, which slot its state comes from (-1: the zero state of
@@ -26,11 +26,14 @@ __all__ = ["StateShape", "StateStorage", "StateWrite", "StateMetadata"]
 
 @dataclass(frozen=True, slots=True)
 class StateShape:
-    """One layer's per-sequence state: ``conv`` [conv_dim, kernel - 1] and ``ssm`` [Hv, Dk, Dv].
+    """One layer's per-sequence state: ``conv`` [kernel - 1, conv_dim] and ``ssm`` [Hv, Dk, Dv].
+
+    The conv state is token-major (its rows are the last inputs, oldest first), as the
+    core's :func:`~hybridkv.core.state_spec.gated_delta_net_state` counts it.
 
     >>> s = StateShape(conv_dim=8192, conv_kernel=4, num_v_heads=32, head_k_dim=128, head_v_dim=128)
     >>> s.conv_shape, s.ssm_shape, s.nbytes(conv_itemsize=2)  # Qwen3-Next-80B, bf16 conv
-    ((8192, 3), (32, 128, 128), 2146304)
+    ((3, 8192), (32, 128, 128), 2146304)
     """
 
     conv_dim: int
@@ -41,7 +44,7 @@ class StateShape:
 
     @property
     def conv_shape(self) -> tuple[int, int]:
-        return (self.conv_dim, self.conv_kernel - 1)
+        return (self.conv_kernel - 1, self.conv_dim)
 
     @property
     def ssm_shape(self) -> tuple[int, int, int]:
@@ -49,7 +52,7 @@ class StateShape:
 
     def nbytes(self, conv_itemsize: int, ssm_itemsize: int = 4) -> int:
         """Bytes of one sequence's state of one layer (the ssm is fp32: 4 bytes)."""
-        c, k = self.conv_shape
+        k, c = self.conv_shape
         h, dk, dv = self.ssm_shape
         return c * k * conv_itemsize + h * dk * dv * ssm_itemsize
 
@@ -57,7 +60,7 @@ class StateShape:
 class StateStorage:
     """Per linear-attention layer, the two state pools addressed by slot.
 
-    ``conv(layer)`` [num_slots, conv_dim, K - 1] in ``dtype``; ``ssm(layer)``
+    ``conv(layer)`` [num_slots, K - 1, conv_dim] in ``dtype``; ``ssm(layer)``
     [num_slots, Hv, Dk, Dv] in ``ssm_dtype`` (float32). Pools start zeroed; a slot
     holds whatever was last written there (reading -1 means the zero state).
 

@@ -4,12 +4,12 @@ with explicit per-sequence state held in slot-indexed pools.
 Per layer and sequence the state is two tensors (:class:`~hybridkv.engine.state.StateShape`,
 re-exported here with the rest of :mod:`hybridkv.engine.state`):
 
-* ``conv`` [conv_dim, K - 1]: the last ``K - 1`` inputs of the causal depthwise conv1d
+* ``conv`` [K - 1, conv_dim]: the last ``K - 1`` inputs of the causal depthwise conv1d
   (``conv_dim = 2 * Hk * Dk + Hv * Dv``, the q/k/v channels), in the model's dtype;
 * ``ssm`` [Hv, Dk, Dv]: the delta-rule memory ``S``, always float32 (it sums every
   token's update; bf16 would drift).
 
-They live in two pools per layer (:class:`StateStorage`), ``conv [num_slots, conv_dim, K - 1]``
+They live in two pools per layer (:class:`StateStorage`), ``conv [num_slots, K - 1, conv_dim]``
 and ``ssm [num_slots, Hv, Dk, Dv]``, addressed by *slot*. A step's
 :class:`StateMetadata` says, per sequence of the flat batch, where its state comes from
 (``read_slots[s]``, -1 for the zero state of a fresh prefill) and where to store the
@@ -277,7 +277,7 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(t, self.num_v_heads, self.head_v_dim).float()
         beta = b.float().sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        reads = _read_states(ssm_pool, state.read_slot_tensor)  # [S, Hv, Dk, Dv]: all reads before any write
+        reads = _read_states(ssm_pool, state.read_slot_tensor).float()  # [S, Hv, Dk, Dv]: all reads first
         out = q.new_empty(t, self.num_v_heads, self.head_v_dim)  # fp32
         new_states: dict[int, torch.Tensor] = {}  # write index -> state
         if state.decodes:
@@ -297,10 +297,10 @@ class GatedDeltaNet(nn.Module):
         k1 = self.conv_kernel - 1
         windows, bases = state.memo(("conv", self.conv_kernel),
                                     lambda: conv_windows(state.query_lens, self.conv_kernel, state.storage.device))
-        prior = _read_states(pool, state.read_slot_tensor)  # [S, C, K-1]
+        prior = _read_states(pool, state.read_slot_tensor)  # [S, K-1, C]
         parts = []
         for s, q in enumerate(state.query_lens):
-            parts.append(prior[s].t())  # [K-1, C]
+            parts.append(prior[s])  # [K-1, C]
             parts.append(mixed[state.cu_starts[s] : state.cu_starts[s] + q])
         ext = torch.cat(parts).to(self.conv1d.weight.dtype)  # [T + S (K-1), C]
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)  # [C, K]
@@ -308,7 +308,7 @@ class GatedDeltaNet(nn.Module):
         ends = state.memo(("conv_ends", self.conv_kernel), lambda: long_tensor(
             [bases[s] + w.tokens + i for s, ws in enumerate(state.writes) for w in ws for i in range(k1)],
             state.storage.device))
-        saved = ext.index_select(0, ends).view(-1, k1, self.conv_dim).transpose(1, 2)  # [W, C, K-1]
+        saved = ext.index_select(0, ends).view(-1, k1, self.conv_dim)  # [W, K-1, C]
         pool.index_copy_(0, state.write_slot_tensor, saved.to(pool.dtype))
         return F.silu(out).to(mixed.dtype)
 
