@@ -43,20 +43,24 @@ __all__ = ["AttentionType", "FULL", "AttentionMetadata", "paged_attention", "all
 
 @dataclass(frozen=True, slots=True)
 class AttentionType:
-    """``kind`` is ``"full"``, ``"sliding"`` (``size`` = window) or ``"chunked"`` (``size`` = chunk)."""
+    """``kind`` is ``"full"``, ``"sliding"`` (``size`` = window) or ``"chunked"`` (``size`` = chunk);
+    ``"linear_attention"`` names a Gated DeltaNet layer, which has no KV and never runs
+    :func:`paged_attention` (see :mod:`hybridkv.engine.models.gated_deltanet`)."""
 
     kind: str
     size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind == "full":
+        if self.kind in ("full", "linear_attention"):
             if self.size is not None:
-                raise InvalidConfigError("full attention takes no window/chunk size")
+                raise InvalidConfigError(f"{self.kind} attention takes no window/chunk size")
         elif self.kind in ("sliding", "chunked"):
             if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size <= 0:
                 raise InvalidConfigError(f"{self.kind} attention needs a positive int size, got {self.size!r}")
         else:
-            raise InvalidConfigError(f"unknown attention kind {self.kind!r}; expected full, sliding or chunked")
+            raise InvalidConfigError(
+                f"unknown attention kind {self.kind!r}; expected full, sliding, chunked or linear_attention"
+            )
 
     def first_key(self, pos: torch.Tensor) -> torch.Tensor:
         """Smallest key position a query at ``pos`` may attend to (elementwise)."""

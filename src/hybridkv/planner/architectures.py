@@ -26,11 +26,17 @@ config class reads and, for a key that is absent, uses that class's default
   layers ``i >= max_window_layers`` (28); ``layer_types`` wins when present.
 * **GPT-OSS**: ``layer_types``, else alternating: even layers slide over
   ``sliding_window`` (128), odd layers are full.
+* **Qwen3-Next / Qwen3.5 / Qwen3.5-MoE** (Gated DeltaNet): ``layer_types`` ("linear_attention" /
+  "full_attention"), else layer i is full when ``(i + 1) % full_attention_interval == 0``
+  (interval 4), linear attention otherwise. Qwen3-Next-80B: 48 layers -> 3, 7, ..., 47 full.
+  A linear-attention layer keeps no KV: its per-sequence state is issue #14's state spec,
+  not yet in the core, so its entry in :attr:`ModelLayers.specs` is None for now.
 * **Llama** and plain decoders: every layer full.
 
 One rule for ``layer_types`` (HF's names, read in :func:`_kinds_from_names` only):
 "full_attention" (and its legacy name "attention") is full, "sliding_attention" slides
-over ``sliding_window``, "chunked_attention" is chunked over ``attention_chunk_size``.
+over ``sliding_window``, "chunked_attention" is chunked over ``attention_chunk_size``,
+"linear_attention" (families with Gated DeltaNet layers only) is linear attention.
 A local layer whose size is null is an :class:`~hybridkv.errors.InvalidConfigError`:
 transformers builds that config but fails on its first forward (``create_sliding_window_causal_mask``
 / ``create_chunked_causal_mask`` find no size), so no plan or engine should pretend to run it.
@@ -54,7 +60,7 @@ from hybridkv.planner.config_reader import ConfigReader
 from hybridkv.planner.hf_defaults import MULTIMODAL_DEFAULTS, TEXT_DEFAULTS
 
 __all__ = [
-    "LayerKind", "FULL", "FULL_KIND", "SLIDING_KIND", "CHUNKED_KIND", "HF_LAYER_TYPES",
+    "LayerKind", "FULL", "FULL_KIND", "SLIDING_KIND", "CHUNKED_KIND", "LINEAR_KIND", "HF_LAYER_TYPES",
     "ModelLayers", "Family", "FAMILIES", "supported_architectures", "find_family", "family_named",
     "language_model_config", "model_layers", "layer_name",
 ]
@@ -62,6 +68,8 @@ __all__ = [
 #: the layer kinds, as the planner and the engine (``AttentionType.kind``) name them; HF's names
 #: map to them in :data:`HF_LAYER_TYPES`, they map to the core's spec classes in :func:`_spec`
 FULL_KIND, SLIDING_KIND, CHUNKED_KIND = "full", "sliding", "chunked"
+#: a Gated DeltaNet layer (Qwen3-Next, Qwen3.5): no KV, a fixed-size state per sequence
+LINEAR_KIND = "linear_attention"
 
 #: HF ``layer_types`` name -> our kind (transformers remaps the legacy "attention" to full)
 HF_LAYER_TYPES: Mapping[str, str] = {
@@ -69,20 +77,22 @@ HF_LAYER_TYPES: Mapping[str, str] = {
     "attention": FULL_KIND,
     "sliding_attention": SLIDING_KIND,
     "chunked_attention": CHUNKED_KIND,
+    "linear_attention": LINEAR_KIND,
 }
 #: local kind -> the config key that sizes it
 _SIZE_KEYS = {SLIDING_KIND: "sliding_window", CHUNKED_KIND: "attention_chunk_size"}
 
 
 class LayerKind(NamedTuple):
-    """One layer's attention: ``kind`` ``"full"`` / ``"sliding"`` / ``"chunked"``, ``size`` its
-    window or chunk in tokens (None for full)."""
+    """One layer's attention: ``kind`` ``"full"`` / ``"sliding"`` / ``"chunked"`` /
+    ``"linear_attention"``, ``size`` its window or chunk in tokens (None for full and linear)."""
 
     kind: str
     size: int | None = None
 
 
 FULL = LayerKind(FULL_KIND)
+LINEAR = LayerKind(LINEAR_KIND)
 
 DEFAULT_DTYPE = "bfloat16"
 
@@ -99,7 +109,8 @@ class ModelLayers:
     name: str
     family: str
     architecture: str
-    specs: tuple[KVCacheSpec, ...]
+    #: per layer; None for a linear-attention layer (its state spec is not in the core yet)
+    specs: tuple[KVCacheSpec | None, ...]
     num_kv_heads: int
     head_dim: int
     dtype: str
@@ -116,7 +127,8 @@ class ModelLayers:
         """``type_id`` -> the indices of the layers with that spec, in first-seen order."""
         out: dict[str, list[int]] = {}
         for i, spec in enumerate(self.specs):
-            out.setdefault(spec.type_id, []).append(i)
+            if spec is not None:
+                out.setdefault(spec.type_id, []).append(i)
         return out
 
 
@@ -153,6 +165,9 @@ def _kinds_from_names(
             raise cfg.fail(f"layer_types[{i}]", f"is {name!r}; expected one of {allowed}")
         if kind == FULL_KIND:
             out.append(FULL)
+            continue
+        if kind == LINEAR_KIND:
+            out.append(LINEAR)
             continue
         size = sizes[kind]
         if size is None:
@@ -223,6 +238,16 @@ def _gpt_oss(cfg: ConfigReader, n: int) -> list[LayerKind]:
     return _kinds_from_names(cfg, names, sizes, "even layers, as GptOssConfig derives them")
 
 
+def _qwen3_next(cfg: ConfigReader, n: int) -> list[LayerKind]:
+    sizes = {LINEAR_KIND: None}
+    kinds = _layer_types(cfg, n, sizes)
+    if kinds is not None:
+        return kinds
+    interval = cfg.positive_int("full_attention_interval")
+    names = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    return _kinds_from_names(cfg, names, sizes, "every full_attention_interval-th layer full")
+
+
 def _all_full(cfg: ConfigReader, n: int) -> list[LayerKind]:
     return [FULL] * n
 
@@ -236,6 +261,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2", "Qwen2", ("Qwen2ForCausalLM",), ("qwen2",), TEXT_DEFAULTS["qwen2"], _qwen),
     Family("qwen3", "Qwen3", ("Qwen3ForCausalLM",), ("qwen3",), TEXT_DEFAULTS["qwen3"], _qwen),
     Family("gpt_oss", "GPT-OSS", ("GptOssForCausalLM",), ("gpt_oss",), TEXT_DEFAULTS["gpt_oss"], _gpt_oss),
+    Family("qwen3_next", "Qwen3-Next", ("Qwen3NextForCausalLM",), ("qwen3_next",), TEXT_DEFAULTS["qwen3_next"],
+           _qwen3_next),
+    Family("qwen3_5", "Qwen3.5", ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
+           ("qwen3_5", "qwen3_5_text"), TEXT_DEFAULTS["qwen3_5"], _qwen3_next),
+    Family("qwen3_5_moe", "Qwen3.5-MoE", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
+           ("qwen3_5_moe", "qwen3_5_moe_text"), TEXT_DEFAULTS["qwen3_5_moe"], _qwen3_next),
     Family("llama", "Llama", ("LlamaForCausalLM",), ("llama",), TEXT_DEFAULTS["llama"], _all_full),
 )
 
@@ -286,8 +317,11 @@ def _check_dtype(dtype: str, error: type[Exception], what: str) -> None:
         raise error(f"{what} {dtype!r} is not supported; expected one of {sorted(DTYPE_BYTES)}") from None
 
 
-def _spec(kind: LayerKind, **common: Any) -> KVCacheSpec:
-    """The core spec of a layer kind: the one map from our kinds to the core's spec classes."""
+def _spec(kind: LayerKind, **common: Any) -> KVCacheSpec | None:
+    """The core spec of a layer kind: the one map from our kinds to the core's spec classes
+    (None for linear attention until the core has its state spec)."""
+    if kind.kind == LINEAR_KIND:
+        return None
     if kind.kind == SLIDING_KIND:
         return SlidingWindowSpec(sliding_window=kind.size, **common)
     if kind.kind == CHUNKED_KIND:
@@ -387,7 +421,7 @@ def model_layers(
         specs=specs,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        dtype=specs[0].dtype,
+        dtype=next((s.dtype for s in specs if s is not None), kv_dtype),
         block_size=block_size,
         max_position_embeddings=max_pos,
         kinds=kinds,

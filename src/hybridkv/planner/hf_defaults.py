@@ -79,6 +79,35 @@ _TEXT: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False, "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128,
         "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True,
     },
+    # Qwen3NextConfig (full_attention_interval and partial_rotary_factor: read from kwargs in
+    # __post_init__, defaults 4 and 0.25; mlp_only_layers None means [])
+    "qwen3_next": {
+        "vocab_size": 151936, "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "attention_bias": False, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "decoder_sparse_step": 1, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "num_experts_per_tok": 10, "num_experts": 512,
+        "norm_topk_prob": True, "mlp_only_layers": None, "full_attention_interval": 4,
+    },
+    # Qwen3_5TextConfig (Qwen3NextConfig's layer rule; dense MLPs, no MoE keys)
+    "qwen3_5": {
+        "vocab_size": 248320, "intermediate_size": 12288, "num_attention_heads": 16, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "attention_bias": False, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "full_attention_interval": 4,
+    },
+    # Qwen3_5MoeTextConfig (every layer MoE, top-k always renormalised: no intermediate_size,
+    # decoder_sparse_step, mlp_only_layers nor norm_topk_prob)
+    "qwen3_5_moe": {
+        "vocab_size": 248320, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "attention_bias": False, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8,
+        "num_experts": 256, "full_attention_interval": 4,
+    },
 }
 
 #: family name -> {key: transformers' default} of its text config class
@@ -91,4 +120,6 @@ TEXT_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
 MULTIMODAL_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "gemma3": MappingProxyType({"tie_word_embeddings": True}),
     "llama4": MappingProxyType({"tie_word_embeddings": False}),
+    "qwen3_5": MappingProxyType({"tie_word_embeddings": False}),
+    "qwen3_5_moe": MappingProxyType({"tie_word_embeddings": False}),
 })

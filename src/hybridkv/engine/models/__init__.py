@@ -24,6 +24,7 @@ from hybridkv.engine.models.llama4 import Llama4ForCausalLM
 from hybridkv.engine.models.mistral import MistralForCausalLM
 from hybridkv.engine.models.qwen2 import Qwen2ForCausalLM
 from hybridkv.engine.models.qwen3 import Qwen3ForCausalLM
+from hybridkv.engine.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from hybridkv.errors import UnknownArchitectureError
 
 __all__ = [
@@ -39,6 +40,9 @@ __all__ = [
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
     "GptOssForCausalLM",
 ]
 
@@ -49,6 +53,9 @@ MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     MistralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
+    Qwen3NextForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
     GptOssForCausalLM,
 )
 

@@ -20,7 +20,7 @@ for the plan and the engine, with transformers' defaults for absent keys.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from torch import nn
@@ -147,6 +147,17 @@ class DecoderStack(nn.Module):
         self.norm = norm
 
 
+def _ignoring(prefixes: tuple[str, ...], rename: Callable[[str], str | None] | None) -> Callable[[str], str | None]:
+    """``rename`` (or the identity) that also drops the names starting with ``prefixes``."""
+
+    def renamed(name: str) -> str | None:
+        if name.startswith(prefixes):
+            return None
+        return rename(name) if rename is not None else name
+
+    return renamed
+
+
 class CausalLM(nn.Module):
     """Base of the model families. Subclasses build ``self.model`` and ``self.lm_head``.
 
@@ -161,6 +172,9 @@ class CausalLM(nn.Module):
     #: HF ``architectures`` and ``model_type`` values this class loads: its family's
     architectures: ClassVar[tuple[str, ...]] = ()
     model_types: ClassVar[tuple[str, ...]] = ()
+    #: name prefixes of checkpoint tensors the model does not use and the loader skips
+    #: (Qwen3-Next's multi-token-prediction head ``mtp.``, which transformers skips too)
+    ignored_weights: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -248,6 +262,8 @@ class CausalLM(nn.Module):
         model._init_buffers()
         tied = {"lm_head.weight": "model.embed_tokens.weight"} if model.tie_word_embeddings else {}
         rename = language_model_weight_name if multimodal else None
+        if cls.ignored_weights:
+            rename = _ignoring(cls.ignored_weights, rename)
         skip = (lambda name: rename(name) is None) if rename is not None else None
         tensors = checkpoint_tensors(source, config, skip=skip)
         load_weights(model, tensors, label=str(source.path), tied=tied, rename=rename)

@@ -87,7 +87,9 @@ _LANGUAGE_MODEL_PREFIXES = (
 )
 #: the vision tower and the projector, in both layouts: not loaded
 _VISION_PREFIXES = tuple(
-    f"{outer}{part}." for outer in ("", "model.") for part in ("vision_tower", "vision_model", "multi_modal_projector")
+    f"{outer}{part}."
+    for outer in ("", "model.")
+    for part in ("vision_tower", "vision_model", "multi_modal_projector", "visual")  # visual: Qwen3.5
 )
 
 
