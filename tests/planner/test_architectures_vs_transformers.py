@@ -33,8 +33,15 @@ CLASSES = {
     "qwen3": "Qwen3Config",
     "gpt_oss": "GptOssConfig",
     "llama": "LlamaConfig",
+    "qwen3_next": "Qwen3NextConfig",
+    "qwen3_5": "Qwen3_5TextConfig",
+    "qwen3_5_moe": "Qwen3_5MoeTextConfig",
+    "nemotron_h": "NemotronHConfig",
+    "granitemoehybrid": "GraniteMoeHybridConfig",
+    "falcon_h1": "FalconH1Config",
 }
-MULTIMODAL_CLASSES = {"gemma3": "Gemma3Config", "llama4": "Llama4Config"}
+MULTIMODAL_CLASSES = {"gemma3": "Gemma3Config", "llama4": "Llama4Config", "qwen3_5": "Qwen3_5Config",
+                      "qwen3_5_moe": "Qwen3_5MoeConfig"}
 ERROR = "error"  # transformers builds the config but cannot run it
 
 
@@ -129,7 +136,9 @@ def test_defaults_table_is_transformers(family):
     table = dict(TEXT_DEFAULTS[family])
     if family == "gemma3":  # read from **kwargs in Gemma3TextConfig.__post_init__, not a field
         assert table.pop("sliding_window_pattern") == 6
-    if family == "qwen2":  # no head_dim field: the model reads getattr(config, "head_dim", hidden // heads)
+    if family in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):  # read from **kwargs in __post_init__, not a field
+        assert "full_attention_interval" not in fields and table.pop("full_attention_interval") == 4
+    if family in ("qwen2", "granitemoehybrid", "falcon_h1"):  # no head_dim field: hidden // heads
         assert "head_dim" not in fields and table.pop("head_dim") is None
     assert {k: fields[k] for k in table} == table
     assert "num_hidden_layers" not in table and "hidden_size" not in table  # required on purpose
