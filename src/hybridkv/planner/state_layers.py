@@ -41,8 +41,8 @@ StateReader = Callable[[ConfigReader, int, str], StateSpec]
 
 
 def _dtype(cfg: ConfigReader, key: str, default: str) -> str:
-    """The dtype name at ``key`` (null or absent: ``default``), checked."""
-    value = cfg.get(key, None)
+    """The dtype name at ``key`` (absent: the family's default; null or no default: ``default``), checked."""
+    value = cfg.get(key, cfg.defaults.get(key))
     if value is None:
         return default
     try:
