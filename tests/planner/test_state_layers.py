@@ -64,8 +64,8 @@ def test_qwen3_next_report_text():
         "page        block size 16 -> 544: the smallest multiple of 16 whose KV page (544 x 2,048 B) holds a state; "
         "page 1,114,112 B, the state padded by 16,384 B (+1.49%)",
     ]
-    assert "1      gated_delta_net state      12        0               2           1,088      25.50 MiB  0, 4, 8, ..., 44" \
-        in lines
+    assert ("1      gated_delta_net state      12        0               2           1,088      25.50 MiB"
+            "  0, 4, 8, ..., 44") in lines
     assert "per request @ 262,144 tokens: KV 6.00 GiB + state 76.50 MiB + padded slots 0 B" in lines
     hybrid = next(line for line in lines if line.startswith("hybrid  "))
     assert hybrid.split()[1:6] == ["4", "12", "12.75", "MiB", "6,425"]

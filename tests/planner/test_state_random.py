@@ -42,7 +42,8 @@ def state_configs(draw):
         kw.update(num_hidden_layers=n, head_dim=draw(st.sampled_from([8, 16, 64])),
                   linear_num_key_heads=draw(st.integers(1, 8)), linear_num_value_heads=draw(st.integers(1, 16)),
                   linear_key_head_dim=draw(st.sampled_from([4, 8, 32])),
-                  linear_value_head_dim=draw(st.sampled_from([4, 8, 32])), linear_conv_kernel_dim=draw(st.integers(2, 5)))
+                  linear_value_head_dim=draw(st.sampled_from([4, 8, 32])),
+                  linear_conv_kernel_dim=draw(st.integers(2, 5)))
         if draw(st.booleans()):
             kw["layer_types"] = draw(st.lists(st.sampled_from(["linear_attention", "full_attention"]),
                                               min_size=n, max_size=n))
@@ -131,7 +132,8 @@ def test_random_state_configs(drawn, block_size, kv_dtype, max_model_len):
             assert 0 <= s.padding_bytes
             if m.block_size > block_size:
                 assert s.padding_bytes < step * per_token
-        assert m.block_size == max(block_size, step * cdiv(max(s.real_page_size_bytes for s in states), step * per_token))
+        largest = max(s.real_page_size_bytes for s in states)
+        assert m.block_size == max(block_size, step * cdiv(largest, step * per_token))
     for s in states:
         assert s.max_num_blocks(max_model_len, 2048) == min(2, cdiv(max_model_len, m.block_size))
         assert s.real_page_size_bytes == sum(prod(sh) * dtype_bytes(d) for sh, d in zip(s.shapes, s.dtypes))
@@ -148,7 +150,8 @@ def test_random_state_configs(drawn, block_size, kv_dtype, max_model_len):
     assert set(full_states) == set(states)
     request = plan.hybrid.grouping.request_bytes(max_model_len)
     assert request.state == sum(s.max_memory_usage_bytes(max_model_len, 2048) for s in states)
-    assert request.kv == sum(s.max_memory_usage_bytes(max_model_len, 2048) for s in m.specs if isinstance(s, KVCacheSpec))
+    kv = [s for s in m.specs if isinstance(s, KVCacheSpec)]
+    assert request.kv == sum(s.max_memory_usage_bytes(max_model_len, 2048) for s in kv)
 
     d = plan_to_dict(plan)
     assert json.loads(json.dumps(d)) == d

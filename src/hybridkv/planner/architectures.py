@@ -43,7 +43,8 @@ State shapes and dtypes: :mod:`~hybridkv.planner.state_layers`. One rule for lay
 names, read in :func:`~hybridkv.planner.layer_kinds.kinds_from_names` only (the table in
 :mod:`~hybridkv.planner.layer_kinds`): "full_attention" (legacy "attention") is full,
 "sliding_attention" slides over ``sliding_window``, "chunked_attention" is chunked over
-``attention_chunk_size``, "linear_attention" (legacy "mamba") keeps a state. A local layer whose size is null is an :class:`~hybridkv.errors.InvalidConfigError`:
+``attention_chunk_size``, "linear_attention" (legacy "mamba") keeps a state. A local
+layer whose size is null is an :class:`~hybridkv.errors.InvalidConfigError`:
 transformers builds that config but fails on its first forward (``create_sliding_window_causal_mask``
 / ``create_chunked_causal_mask`` find no size), so no plan or engine should pretend to run it.
 The same holds for a derived layout (Gemma 3, GPT-OSS) with ``sliding_window: null``.
@@ -67,12 +68,15 @@ from dataclasses import dataclass
 from math import lcm
 from typing import Any, Callable, Mapping
 
-from hybridkv.core.specs import _DTYPE_ALIASES, DTYPE_BYTES, CacheSpec, ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec
-from hybridkv.core.specs import SlidingWindowSpec, dtype_bytes
+from hybridkv.core.specs import _DTYPE_ALIASES, DTYPE_BYTES, CacheSpec, ChunkedLocalAttentionSpec, FullAttentionSpec
+from hybridkv.core.specs import KVCacheSpec, SlidingWindowSpec, dtype_bytes
 from hybridkv.core.state_spec import StateSpec, unify_page_sizes
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, InvalidSpecError, UnknownArchitectureError
 from hybridkv.planner import state_layers
-from hybridkv.planner.config_reader import LIMITS, ConfigReader
+from hybridkv.planner.state_families import (
+    falcon_h1_kinds, granite_kinds, nemotron_count, nemotron_kinds, qwen_linear_kinds,
+)
+from hybridkv.planner.config_reader import ConfigReader
 from hybridkv.planner.hf_defaults import MULTIMODAL_DEFAULTS, TEXT_DEFAULTS
 from hybridkv.planner.layer_kinds import (
     CHUNKED_KIND, FULL, FULL_KIND, HF_LAYER_TYPES, HYBRID_KIND, LINEAR_KIND, NONE_KIND, SLIDING_KIND, LayerKind,
@@ -221,62 +225,6 @@ def _all_full(cfg: ConfigReader, n: int) -> list[LayerKind]:
     return [FULL] * n
 
 
-_LINEAR = {LINEAR_KIND: None}
-
-
-def _qwen_linear(cfg: ConfigReader, n: int) -> list[LayerKind]:
-    kinds = read_layer_types(cfg, n, _LINEAR)
-    if kinds is not None:
-        return kinds
-    interval = cfg.positive_int("full_attention_interval")
-    names = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
-    return kinds_from_names(cfg, names, _LINEAR, f"every {interval}th layer full, by full_attention_interval")
-
-
-#: Nemotron-H's legacy ``hybrid_override_pattern`` letters (transformers' ``_pattern_to_list``)
-_NEMOTRON_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
-
-
-def _nemotron_names(cfg: ConfigReader) -> tuple[list[str], str]:
-    """(the layer type names, the key they came from): ``layers_block_type``, its alias
-    ``layer_types``, then the legacy pattern; transformers' own default list (4 layers)
-    describes no model, so one of them is required."""
-    for key in ("layers_block_type", "layer_types"):
-        value = cfg.get(key, None)
-        if value is not None:
-            if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
-                raise cfg.fail(key, f"must be a non-empty list of layer type names, got {value!r}")
-            return value, key
-    pattern = cfg.get("hybrid_override_pattern", None)
-    if pattern is None:
-        raise cfg.fail("layers_block_type", "is missing (nor layer_types or hybrid_override_pattern given)")
-    if not isinstance(pattern, str) or not pattern:
-        raise cfg.fail("hybrid_override_pattern", f"must be a non-empty string of M, *, E, -; got {pattern!r}")
-    bad = sorted(set(pattern) - set(_NEMOTRON_PATTERN))
-    if bad:
-        raise cfg.fail("hybrid_override_pattern", f"has {bad}; expected only M, *, E, - (Mamba, attention, MoE, MLP)")
-    return [_NEMOTRON_PATTERN[c] for c in pattern], "hybrid_override_pattern"
-
-
-def _nemotron_count(cfg: ConfigReader) -> int:
-    names, key = _nemotron_names(cfg)
-    if len(names) > LIMITS["num_hidden_layers"]:
-        raise cfg.fail(key, f"has {len(names):,} layers; more than {LIMITS['num_hidden_layers']:,} is not a model config")
-    return len(names)
-
-
-def _nemotron_h(cfg: ConfigReader, n: int) -> list[LayerKind]:
-    names, key = _nemotron_names(cfg)
-    return kinds_from_names(cfg, names, {LINEAR_KIND: None, NONE_KIND: None}, key=key)
-
-
-def _granite_hybrid(cfg: ConfigReader, n: int) -> list[LayerKind]:
-    kinds = read_layer_types(cfg, n, _LINEAR)
-    return [LayerKind(LINEAR_KIND)] * n if kinds is None else kinds
-
-
-def _falcon_h1(cfg: ConfigReader, n: int) -> list[LayerKind]:
-    return [LayerKind(HYBRID_KIND)] * n  # FalconH1Config.layers_block_type: "hybrid" for every layer
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -290,17 +238,18 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt_oss", "GPT-OSS", ("GptOssForCausalLM",), ("gpt_oss",), TEXT_DEFAULTS["gpt_oss"], _gpt_oss),
     Family("llama", "Llama", ("LlamaForCausalLM",), ("llama",), TEXT_DEFAULTS["llama"], _all_full),
     Family("qwen3_next", "Qwen3-Next", ("Qwen3NextForCausalLM",), ("qwen3_next",), TEXT_DEFAULTS["qwen3_next"],
-           _qwen_linear, state_layers.gated_delta_net),
+           qwen_linear_kinds, state_layers.gated_delta_net),
     Family("qwen3_5", "Qwen3.5", ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"), ("qwen3_5", "qwen3_5_text"),
-           TEXT_DEFAULTS["qwen3_5"], _qwen_linear, state_layers.gated_delta_net),
+           TEXT_DEFAULTS["qwen3_5"], qwen_linear_kinds, state_layers.gated_delta_net),
     Family("qwen3_5_moe", "Qwen3.5 MoE", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
-           ("qwen3_5_moe", "qwen3_5_moe_text"), TEXT_DEFAULTS["qwen3_5_moe"], _qwen_linear, state_layers.gated_delta_net),
+           ("qwen3_5_moe", "qwen3_5_moe_text"), TEXT_DEFAULTS["qwen3_5_moe"], qwen_linear_kinds,
+           state_layers.gated_delta_net),
     Family("nemotron_h", "Nemotron-H", ("NemotronHForCausalLM",), ("nemotron_h",), TEXT_DEFAULTS["nemotron_h"],
-           _nemotron_h, state_layers.nemotron_h, _nemotron_count),
+           nemotron_kinds, state_layers.nemotron_h, nemotron_count),
     Family("granitemoehybrid", "Granite 4 (GraniteMoeHybrid)", ("GraniteMoeHybridForCausalLM",), ("granitemoehybrid",),
-           TEXT_DEFAULTS["granitemoehybrid"], _granite_hybrid, state_layers.granite_moe_hybrid),
+           TEXT_DEFAULTS["granitemoehybrid"], granite_kinds, state_layers.granite_moe_hybrid),
     Family("falcon_h1", "Falcon-H1", ("FalconH1ForCausalLM",), ("falcon_h1",), TEXT_DEFAULTS["falcon_h1"],
-           _falcon_h1, state_layers.falcon_h1),
+           falcon_h1_kinds, state_layers.falcon_h1),
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}
@@ -468,7 +417,8 @@ def model_layers(
         if kind.has_state:
             caches.append((i, state))
     if not caches:
-        raise InvalidConfigError(f"{label}: no layer keeps a KV cache or a state ({num_layers} layers); nothing to plan")
+        raise InvalidConfigError(
+            f"{label}: no layer keeps a KV cache or a state ({num_layers} layers); nothing to plan")
     specs = _unified([s for _, s in caches], block_size)
     return ModelLayers(
         name=name or label,

@@ -131,7 +131,8 @@ class LayoutPlan:
         return tuple(
             SharedTensor(
                 j,
-                tuple(None if i is None else cache_name(i, spec) for i, spec in zip(self.grouping.position_layers(j), specs)),
+                tuple(None if i is None else cache_name(i, spec)
+                      for i, spec in zip(self.grouping.position_layers(j), specs)),
                 size,
             )
             for j in range(self.grouping.group_size)
@@ -140,7 +141,8 @@ class LayoutPlan:
     @property
     def kv_cache_config(self) -> KVCacheConfig:
         """The config a core KV cache manager is built from."""
-        groups = tuple(KVCacheGroup(g.spec, tuple(cache_name(i, g.spec) for i in g.layers)) for g in self.grouping.groups)
+        groups = tuple(
+            KVCacheGroup(g.spec, tuple(cache_name(i, g.spec) for i in g.layers)) for g in self.grouping.groups)
         return KVCacheConfig(num_blocks=self.num_blocks, groups=groups)
 
 

@@ -64,7 +64,8 @@ def _auto_head_dim(cfg: ConfigReader, intermediate: int, heads: int) -> int:
         return intermediate // heads
     head = cfg.positive_int("mamba_d_head", head)
     if head * heads != intermediate:
-        raise cfg.fail("mamba_d_head", f"({head}) x mamba_n_heads ({heads}) is not the intermediate size {intermediate}")
+        raise cfg.fail("mamba_d_head",
+                       f"({head}) x mamba_n_heads ({heads}) is not the intermediate size {intermediate}")
     return head
 
 
