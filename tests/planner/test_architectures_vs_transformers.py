@@ -32,10 +32,13 @@ CLASSES = {
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
     "gpt_oss": "GptOssConfig",
+    "llama": "LlamaConfig",
     "qwen3_next": "Qwen3NextConfig",
     "qwen3_5": "Qwen3_5TextConfig",
     "qwen3_5_moe": "Qwen3_5MoeTextConfig",
-    "llama": "LlamaConfig",
+    "nemotron_h": "NemotronHConfig",
+    "granitemoehybrid": "GraniteMoeHybridConfig",
+    "falcon_h1": "FalconH1Config",
 }
 MULTIMODAL_CLASSES = {"gemma3": "Gemma3Config", "llama4": "Llama4Config", "qwen3_5": "Qwen3_5Config",
                       "qwen3_5_moe": "Qwen3_5MoeConfig"}
@@ -64,8 +67,6 @@ def theirs(config):
         size = {"sliding_attention": window, "chunked_attention": getattr(hf, "attention_chunk_size", None)}.get(t)
         if t == "full_attention":
             out.append(("full", None))
-        elif t == "linear_attention":
-            out.append(("linear_attention", None))
         elif size is None:
             return ERROR, None, None
         else:
@@ -112,13 +113,6 @@ CASES = {
     "gpt-oss-derived": base("GptOssForCausalLM", num_key_value_heads=2, head_dim=64),
     "gpt-oss-null-window": base("GptOssForCausalLM", num_key_value_heads=2, head_dim=64, sliding_window=None),
     "mistral-null-window": base("MistralForCausalLM", num_key_value_heads=2, sliding_window=None),
-    "qwen3-next-types": base("Qwen3NextForCausalLM", num_key_value_heads=2, layer_types=[
-        "linear_attention", "full_attention", "linear_attention", "linear_attention"] * 2),
-    "qwen3-next-interval-3": base("Qwen3NextForCausalLM", num_key_value_heads=2, full_attention_interval=3),
-    "qwen3-next-defaults": base("Qwen3NextForCausalLM"),
-    "qwen3.5-multimodal": {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-                           "text_config": {**base("x", full_attention_interval=2), "model_type": "qwen3_5_text"}},
-    "qwen3.5-moe-defaults": base("Qwen3_5MoeForCausalLM"),
     "llama4-types-null-chunk": base("Llama4ForCausalLM", attention_chunk_size=None,
                                     layer_types=["chunked_attention", "full_attention"] * 4),
 }
@@ -142,9 +136,9 @@ def test_defaults_table_is_transformers(family):
     table = dict(TEXT_DEFAULTS[family])
     if family == "gemma3":  # read from **kwargs in Gemma3TextConfig.__post_init__, not a field
         assert table.pop("sliding_window_pattern") == 6
-    if family.startswith("qwen3_"):  # read from **kwargs in Qwen3NextConfig.__post_init__, not a field
-        assert table.pop("full_attention_interval") == 4
-    if family == "qwen2":  # no head_dim field: the model reads getattr(config, "head_dim", hidden // heads)
+    if family in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):  # read from **kwargs in __post_init__, not a field
+        assert "full_attention_interval" not in fields and table.pop("full_attention_interval") == 4
+    if family in ("qwen2", "granitemoehybrid", "falcon_h1"):  # no head_dim field: hidden // heads
         assert "head_dim" not in fields and table.pop("head_dim") is None
     assert {k: fields[k] for k in table} == table
     assert "num_hidden_layers" not in table and "hidden_size" not in table  # required on purpose
@@ -183,7 +177,7 @@ def test_transformers_cannot_run_a_local_layer_without_size(family, cls, extra):
 # ------------------------------------------------------------------ random configs of every family
 ARCH = {"llama4": "Llama4ForCausalLM", "gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
-        "qwen3_next": "Qwen3NextForCausalLM", "llama": "LlamaForCausalLM"}
+        "llama": "LlamaForCausalLM"}
 MULTIMODAL_ARCH = {"llama4": "Llama4ForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration"}
 ABSENT = object()
 
@@ -212,16 +206,13 @@ def configs(draw):
     if family != "qwen2":
         maybe("head_dim", st.sampled_from([8, 16]))
     size = st.integers(1, 5000) | st.sampled_from([1, 2, 3, 7, 16])
-    local = {"llama4": "chunked_attention", "qwen3_next": "linear_attention"}.get(family, "sliding_attention")
+    local = "chunked_attention" if family == "llama4" else "sliding_attention"
     if family != "llama":
         maybe("layer_types", st.lists(st.sampled_from(["full_attention", local]), min_size=n, max_size=n), null=False)
     if family == "llama4":
         maybe("attention_chunk_size", size)
         maybe("no_rope_layers", st.lists(st.sampled_from([0, 1]), min_size=n, max_size=n) | st.just([]), null=False)
         maybe("no_rope_layer_interval", st.integers(1, 5), null=False)
-    elif family == "qwen3_next":
-        maybe("full_attention_interval", st.integers(1, 5), null=False)
-        text["num_experts"] = draw(st.sampled_from([0, 2]))  # the engine model is built: few experts
     elif family != "llama":
         maybe("sliding_window", size)
     if family in ("qwen2", "qwen3"):

@@ -144,9 +144,9 @@ def test_different_block_sizes_are_refused():
 
 
 def test_bad_inputs():
-    with pytest.raises(InvalidConfigError, match="at least one attention layer"):
+    with pytest.raises(InvalidConfigError, match="at least one layer with a KV cache or a state"):
         group_layers([], 100)
     with pytest.raises(InvalidArgumentError, match="max_model_len"):
         group_layers([spec("F")], 0)
-    with pytest.raises(InvalidConfigError, match="expected a KVCacheSpec"):
+    with pytest.raises(InvalidConfigError, match="expected a CacheSpec"):
         group_layers(["full"], 10)

@@ -6,8 +6,9 @@ from hybridkv.errors import InvalidConfigError
 from hybridkv.planner.presets import PRESETS, find_preset, load_model_config, preset_names
 
 
-def test_the_five_presets():
-    assert preset_names() == ["llama4-scout", "gemma-3-27b", "mistral-7b", "gpt-oss-20b", "llama-3.1-8b"]
+def test_the_presets():
+    assert preset_names() == ["llama4-scout", "gemma-3-27b", "mistral-7b", "gpt-oss-20b", "llama-3.1-8b",
+                              "qwen3-next-80b-a3b", "qwen3.5-35b-a3b"]
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -32,12 +33,25 @@ def test_preset_values_are_the_published_ones():
     oss = load_model_config("gpt-oss-20b").config
     assert oss["layer_types"][:2] == ["sliding_attention", "full_attention"] and len(oss["layer_types"]) == 24
     assert (oss["sliding_window"], oss["head_dim"]) == (128, 64)
+    nxt = load_model_config("qwen3-next-80b-a3b").config
+    assert nxt["architectures"] == ["Qwen3NextForCausalLM"] and "layer_types" not in nxt
+    assert (nxt["num_hidden_layers"], nxt["full_attention_interval"], nxt["num_key_value_heads"], nxt["head_dim"]) == (
+        48, 4, 2, 256)
+    assert [nxt[f"linear_{k}"] for k in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
+                                         "conv_kernel_dim")] == [16, 32, 128, 128, 4]
+    q35 = load_model_config("qwen3.5-35b-a3b").config
+    assert q35["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    text = q35["text_config"]
+    assert (text["num_hidden_layers"], text["num_key_value_heads"], text["mamba_ssm_dtype"]) == (40, 2, "float32")
+    assert text["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * 10
 
 
 @pytest.mark.parametrize(
     "name, preset",
     [("LLAMA4-SCOUT", "llama4-scout"), ("meta-llama/Llama-4-Scout-17B-16E", "llama4-scout"),
-     ("gemma-3-27b-it", "gemma-3-27b"), ("mistralai/Mistral-7B-v0.1", "mistral-7b"), ("nope", None)],
+     ("gemma-3-27b-it", "gemma-3-27b"), ("mistralai/Mistral-7B-v0.1", "mistral-7b"), ("nope", None),
+     ("Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3-next-80b-a3b"), ("qwen3-next", "qwen3-next-80b-a3b"),
+     ("Qwen/Qwen3.5-35B-A3B", "qwen3.5-35b-a3b")],
 )
 def test_find_preset(name, preset):
     found = find_preset(name)

@@ -17,12 +17,15 @@ def test_scout_report_tables():
     assert "KV cache groups (hybrid layout: group size 12, padding 0 slots = 0 B per request)" in lines
     start = lines.index("KV cache groups (hybrid layout: group size 12, padding 0 slots = 0 B per request)")
     assert lines[start + 1 : start + 6] == [
-        "group  attention             layers  padding  blocks/request  tokens/request  layer ids",
-        "0      full_attention            12        0          65,536       1,048,576  3, 7, 11, ..., 47",
-        "1      chunked_local (8192)      12        0             640          10,239  0, 4, 8, ..., 44",
-        "2      chunked_local (8192)      12        0             640          10,239  1, 5, 9, ..., 45",
-        "3      chunked_local (8192)      12        0             640          10,239  2, 6, 10, ..., 46",
+        "group  attention             layers  padding  blocks/request  tokens/request  bytes/request  layer ids",
+        "0      full_attention            12        0          65,536       1,048,576         48 GiB"
+        "  3, 7, 11, ..., 47",
+        "1      chunked_local (8192)      12        0             640          10,239        480 MiB  0, 4, 8, ..., 44",
+        "2      chunked_local (8192)      12        0             640          10,239        480 MiB  1, 5, 9, ..., 45",
+        "3      chunked_local (8192)      12        0             640          10,239        480 MiB"
+        "  2, 6, 10, ..., 46",
     ]
+    assert not any(line.startswith(("state ", "page ", "per request")) for line in lines)  # attention only
     start = next(i for i, line in enumerate(lines) if line.startswith("layout "))
     assert lines[start : start + 4] == [
         "layout         groups  layers/group  bytes/block   blocks  blocks/request  concurrency @ 1,048,576"

@@ -1,6 +1,6 @@
-"""Per-layer KV cache specs from a Hugging Face ``config.json``, one function per family.
+"""Per-layer cache specs (attention KV, recurrent state) from a Hugging Face ``config.json``, one function per family.
 
-This module is the one reader of a model's attention layout: the planner plans from
+This module is the one reader of a model's layer layout: the planner plans from
 :func:`model_layers` and the engine builds each attention layer from the same
 :class:`LayerKind` list (``engine/models/base.py`` asks :func:`model_layers`), so the
 two cannot disagree.
@@ -26,18 +26,25 @@ config class reads and, for a key that is absent, uses that class's default
   layers ``i >= max_window_layers`` (28); ``layer_types`` wins when present.
 * **GPT-OSS**: ``layer_types``, else alternating: even layers slide over
   ``sliding_window`` (128), odd layers are full.
-* **Qwen3-Next / Qwen3.5 / Qwen3.5-MoE** (Gated DeltaNet): ``layer_types`` ("linear_attention" /
-  "full_attention"), else layer i is full when ``(i + 1) % full_attention_interval == 0``
-  (interval 4), linear attention otherwise. Qwen3-Next-80B: 48 layers -> 3, 7, ..., 47 full.
-  A linear-attention layer keeps no KV: its per-sequence state is issue #14's state spec,
-  not yet in the core, so its entry in :attr:`ModelLayers.specs` is None for now.
 * **Llama** and plain decoders: every layer full.
+* **Qwen3-Next / Qwen3.5** (dense and MoE, text or multimodal): ``layer_types``
+  ("linear_attention" / "full_attention"), else every ``full_attention_interval``-th
+  layer (4) is full and the others Gated DeltaNet. 80B-A3B: 48 layers -> 12 full, 36 linear.
+* **Nemotron-H**: ``layers_block_type`` (alias ``layer_types``, or the legacy
+  ``hybrid_override_pattern`` of M / * / E / -): linear_attention (Mamba-2),
+  full_attention, moe, mlp; its length is the layer count (``num_hidden_layers`` is
+  ignored, as transformers ignores it). MoE and MLP layers keep no cache.
+* **Granite 4 (GraniteMoeHybrid)**: ``layer_types`` (legacy "mamba" / "attention"),
+  else every layer Mamba-2.
+* **Falcon-H1**: every layer has attention *and* a Mamba-2 mixer ("hybrid"): one KV
+  cache and one state per layer.
 
-One rule for ``layer_types`` (HF's names, read in :func:`_kinds_from_names` only):
-"full_attention" (and its legacy name "attention") is full, "sliding_attention" slides
-over ``sliding_window``, "chunked_attention" is chunked over ``attention_chunk_size``,
-"linear_attention" (families with Gated DeltaNet layers only) is linear attention.
-A local layer whose size is null is an :class:`~hybridkv.errors.InvalidConfigError`:
+State shapes and dtypes: :mod:`~hybridkv.planner.state_layers`. One rule for layer type
+names, read in :func:`~hybridkv.planner.layer_kinds.kinds_from_names` only (the table in
+:mod:`~hybridkv.planner.layer_kinds`): "full_attention" (legacy "attention") is full,
+"sliding_attention" slides over ``sliding_window``, "chunked_attention" is chunked over
+``attention_chunk_size``, "linear_attention" (legacy "mamba") keeps a state. A local
+layer whose size is null is an :class:`~hybridkv.errors.InvalidConfigError`:
 transformers builds that config but fails on its first forward (``create_sliding_window_causal_mask``
 / ``create_chunked_causal_mask`` find no size), so no plan or engine should pretend to run it.
 The same holds for a derived layout (Gemma 3, GPT-OSS) with ``sliding_window: null``.
@@ -46,71 +53,73 @@ Shared keys: ``num_hidden_layers`` is required; ``num_key_value_heads`` null mea
 ``num_attention_heads``; ``head_dim`` null (or absent in a family whose class has no
 default) means ``hidden_size // num_attention_heads``; the dtype is ``torch_dtype`` /
 ``dtype`` (default bfloat16).
+
+When a model has state layers, one page must hold a state: the attention block size
+grows to the smallest multiple of 16 (and of the requested block size) whose KV page
+holds the largest state, and the state pages are padded to it
+(:func:`~hybridkv.core.state_spec.unify_page_sizes`, vLLM's rule). Qwen3-Next-80B-A3B,
+bf16, block 16: states of 1,097,728 bytes, 2,048 KV bytes a token -> block 544, page
+1,114,112 bytes, each state padded by 16,384 bytes (1.49%).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from math import lcm
+from typing import Any, Callable, Mapping
 
-from hybridkv.core.specs import DTYPE_BYTES, ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec
-from hybridkv.core.specs import SlidingWindowSpec, dtype_bytes
+from hybridkv.core.specs import _DTYPE_ALIASES, DTYPE_BYTES, CacheSpec, ChunkedLocalAttentionSpec, FullAttentionSpec
+from hybridkv.core.specs import KVCacheSpec, SlidingWindowSpec, dtype_bytes
+from hybridkv.core.state_spec import StateSpec, unify_page_sizes
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, InvalidSpecError, UnknownArchitectureError
+from hybridkv.planner import state_layers
+from hybridkv.planner.state_families import (
+    falcon_h1_kinds, granite_kinds, nemotron_count, nemotron_kinds, qwen_linear_kinds,
+)
 from hybridkv.planner.config_reader import ConfigReader
 from hybridkv.planner.hf_defaults import MULTIMODAL_DEFAULTS, TEXT_DEFAULTS
+from hybridkv.planner.layer_kinds import (
+    CHUNKED_KIND, FULL, FULL_KIND, HF_LAYER_TYPES, HYBRID_KIND, LINEAR_KIND, NONE_KIND, SLIDING_KIND, LayerKind,
+    kinds_from_names, read_layer_types,
+)
 
 __all__ = [
-    "LayerKind", "FULL", "FULL_KIND", "SLIDING_KIND", "CHUNKED_KIND", "LINEAR_KIND", "HF_LAYER_TYPES",
-    "ModelLayers", "Family", "FAMILIES", "supported_architectures", "find_family", "family_named",
-    "language_model_config", "model_layers", "layer_name",
+    "LayerKind", "FULL", "FULL_KIND", "SLIDING_KIND", "CHUNKED_KIND", "LINEAR_KIND", "HYBRID_KIND", "NONE_KIND",
+    "HF_LAYER_TYPES", "ModelLayers", "Family", "FAMILIES", "supported_architectures", "find_family", "family_named",
+    "language_model_config", "model_layers", "layer_name", "cache_name", "STATE_ALIGNMENT",
 ]
 
-#: the layer kinds, as the planner and the engine (``AttentionType.kind``) name them; HF's names
-#: map to them in :data:`HF_LAYER_TYPES`, they map to the core's spec classes in :func:`_spec`
-FULL_KIND, SLIDING_KIND, CHUNKED_KIND = "full", "sliding", "chunked"
-#: a Gated DeltaNet layer (Qwen3-Next, Qwen3.5): no KV, a fixed-size state per sequence
-LINEAR_KIND = "linear_attention"
-
-#: HF ``layer_types`` name -> our kind (transformers remaps the legacy "attention" to full)
-HF_LAYER_TYPES: Mapping[str, str] = {
-    "full_attention": FULL_KIND,
-    "attention": FULL_KIND,
-    "sliding_attention": SLIDING_KIND,
-    "chunked_attention": CHUNKED_KIND,
-    "linear_attention": LINEAR_KIND,
-}
-#: local kind -> the config key that sizes it
-_SIZE_KEYS = {SLIDING_KIND: "sliding_window", CHUNKED_KIND: "attention_chunk_size"}
-
-
-class LayerKind(NamedTuple):
-    """One layer's attention: ``kind`` ``"full"`` / ``"sliding"`` / ``"chunked"`` /
-    ``"linear_attention"``, ``size`` its window or chunk in tokens (None for full and linear)."""
-
-    kind: str
-    size: int | None = None
-
-
-FULL = LayerKind(FULL_KIND)
-LINEAR = LayerKind(LINEAR_KIND)
+#: attention kernels' block-size multiple (vLLM's FlashAttention: 16); a raised block is one
+STATE_ALIGNMENT = 16
 
 DEFAULT_DTYPE = "bfloat16"
 
 
 def layer_name(index: int) -> str:
-    """The name a planned layer gets in a :class:`~hybridkv.core.config.KVCacheGroup`."""
+    """The name a planned layer's attention KV gets in a :class:`~hybridkv.core.config.KVCacheGroup`."""
     return f"layers.{index}"
+
+
+def cache_name(index: int, spec: CacheSpec) -> str:
+    """The name of layer ``index``'s cache of ``spec``: ``layers.3`` (attention KV), ``layers.3.state``."""
+    return f"layers.{index}.state" if isinstance(spec, StateSpec) else layer_name(index)
 
 
 @dataclass(frozen=True, slots=True)
 class ModelLayers:
-    """A model's attention layers as KV cache specs, with the numbers they came from."""
+    """A model's caches as specs, with the numbers they came from.
+
+    ``specs[k]`` is a cache of layer ``layer_ids[k]`` (empty ``layer_ids``: cache k is
+    layer k). An attention-only model has one spec per layer; a Falcon-H1 layer has
+    two (its KV, then its state); a Nemotron-H MoE / MLP layer none. ``dtype`` is the
+    KV dtype; ``block_size`` the one in use, ``requested_block_size`` the one asked for
+    (they differ when a state page raised it; see the module docstring).
+    """
 
     name: str
     family: str
     architecture: str
-    #: per layer; None for a linear-attention layer (its state spec is not in the core yet)
-    specs: tuple[KVCacheSpec | None, ...]
+    specs: tuple[CacheSpec, ...]
     num_kv_heads: int
     head_dim: int
     dtype: str
@@ -118,17 +127,31 @@ class ModelLayers:
     max_position_embeddings: int | None = None
     #: per layer, the kind the specs were made from
     kinds: tuple[LayerKind, ...] = ()
+    layer_ids: tuple[int, ...] = ()
+    requested_block_size: int | None = None
 
     @property
     def num_layers(self) -> int:
-        return len(self.specs)
+        return len(self.kinds) if self.kinds else len(self.specs)
+
+    @property
+    def cache_layers(self) -> tuple[int, ...]:
+        """The layer of each spec."""
+        return self.layer_ids or tuple(range(len(self.specs)))
+
+    @property
+    def state_specs(self) -> tuple[StateSpec, ...]:
+        return tuple(s for s in self.specs if isinstance(s, StateSpec))
+
+    @property
+    def attention_specs(self) -> tuple[KVCacheSpec, ...]:
+        return tuple(s for s in self.specs if isinstance(s, KVCacheSpec))
 
     def layers_by_type(self) -> dict[str, list[int]]:
         """``type_id`` -> the indices of the layers with that spec, in first-seen order."""
         out: dict[str, list[int]] = {}
-        for i, spec in enumerate(self.specs):
-            if spec is not None:
-                out.setdefault(spec.type_id, []).append(i)
+        for i, spec in zip(self.cache_layers, self.specs):
+            out.setdefault(spec.type_id, []).append(i)
         return out
 
 
@@ -142,55 +165,15 @@ class Family:
     model_types: tuple[str, ...]
     defaults: Mapping[str, Any]
     layer_kinds: Callable[[ConfigReader, int], list[LayerKind]]
-
-
-def _kinds_from_names(
-    cfg: ConfigReader,
-    names: Sequence[str],
-    sizes: Mapping[str, int | None],
-    source: str = "layer_types",
-    hint: str = "",
-) -> list[LayerKind]:
-    """HF layer type names -> kinds; ``sizes``: the local kinds the family has -> their size.
-
-    ``source`` says where the names came from in messages (``layer_types`` or the
-    family's derivation), ``hint`` why a size may be off; a local layer with a null
-    size fails (see the module docstring).
-    """
-    out: list[LayerKind] = []
-    for i, name in enumerate(names):
-        kind = HF_LAYER_TYPES.get(name)
-        if kind is None or (kind != FULL_KIND and kind not in sizes):
-            allowed = sorted(n for n, k in HF_LAYER_TYPES.items() if k == FULL_KIND or k in sizes)
-            raise cfg.fail(f"layer_types[{i}]", f"is {name!r}; expected one of {allowed}")
-        if kind == FULL_KIND:
-            out.append(FULL)
-            continue
-        if kind == LINEAR_KIND:
-            out.append(LINEAR)
-            continue
-        size = sizes[kind]
-        if size is None:
-            key = _SIZE_KEYS[kind]
-            raise InvalidConfigError(
-                f"{cfg.label}: layer {i} is {name} ({source}) but {cfg.where(key)} is null{hint}; "
-                "transformers cannot run such a layer"
-            )
-        out.append(LayerKind(kind, size))
-    return out
-
-
-def _layer_types(
-    cfg: ConfigReader, n: int, sizes: Mapping[str, int | None], hint: str = ""
-) -> list[LayerKind] | None:
-    """``layer_types`` as kinds; None when absent (the family derives them)."""
-    names = cfg.list_of("layer_types", str, n)
-    return None if names is None else _kinds_from_names(cfg, names, sizes, hint=hint)
+    #: the shape of its state layers (None: attention only)
+    state: state_layers.StateReader | None = None
+    #: its layer count (None: ``num_hidden_layers``)
+    num_layers: Callable[[ConfigReader], int] | None = None
 
 
 def _llama4(cfg: ConfigReader, n: int) -> list[LayerKind]:
     chunk = cfg.optional_positive_int("attention_chunk_size")
-    kinds = _layer_types(cfg, n, {CHUNKED_KIND: chunk})
+    kinds = read_layer_types(cfg, n, {CHUNKED_KIND: chunk})
     if kinds is not None:
         return kinds
     interval = cfg.positive_int("no_rope_layer_interval")
@@ -202,19 +185,19 @@ def _llama4(cfg: ConfigReader, n: int) -> list[LayerKind]:
 
 def _gemma3(cfg: ConfigReader, n: int) -> list[LayerKind]:
     sizes = {SLIDING_KIND: cfg.optional_positive_int("sliding_window")}
-    kinds = _layer_types(cfg, n, sizes)
+    kinds = read_layer_types(cfg, n, sizes)
     if kinds is not None:
         return kinds
     pattern = cfg.positive_int("sliding_window_pattern")
     names = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    return _kinds_from_names(cfg, names, sizes, f"every layer but each {pattern}th, by sliding_window_pattern")
+    return kinds_from_names(cfg, names, sizes, f"every layer but each {pattern}th, by sliding_window_pattern")
 
 
 def _mistral(cfg: ConfigReader, n: int) -> list[LayerKind]:
     window = cfg.optional_positive_int("sliding_window")
     names = cfg.list_of("layer_types", str, n)  # checked as transformers checks it, then unused
     if names is not None:
-        _kinds_from_names(cfg, names, {SLIDING_KIND: 1})
+        kinds_from_names(cfg, names, {SLIDING_KIND: 1})
     return [LayerKind(SLIDING_KIND, window) if window is not None else FULL] * n
 
 
@@ -222,7 +205,7 @@ def _qwen(cfg: ConfigReader, n: int) -> list[LayerKind]:
     use = cfg.boolean("use_sliding_window")
     window = cfg.optional_positive_int("sliding_window") if use else None
     hint = "" if use else " (use_sliding_window is false: transformers sets sliding_window to None)"
-    kinds = _layer_types(cfg, n, {SLIDING_KIND: window}, hint)
+    kinds = read_layer_types(cfg, n, {SLIDING_KIND: window}, hint)
     if kinds is not None:
         return kinds
     first_sliding = cfg.non_negative_int("max_window_layers")
@@ -231,25 +214,17 @@ def _qwen(cfg: ConfigReader, n: int) -> list[LayerKind]:
 
 def _gpt_oss(cfg: ConfigReader, n: int) -> list[LayerKind]:
     sizes = {SLIDING_KIND: cfg.optional_positive_int("sliding_window")}
-    kinds = _layer_types(cfg, n, sizes)
+    kinds = read_layer_types(cfg, n, sizes)
     if kinds is not None:
         return kinds
     names = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-    return _kinds_from_names(cfg, names, sizes, "even layers, as GptOssConfig derives them")
-
-
-def _qwen3_next(cfg: ConfigReader, n: int) -> list[LayerKind]:
-    sizes = {LINEAR_KIND: None}
-    kinds = _layer_types(cfg, n, sizes)
-    if kinds is not None:
-        return kinds
-    interval = cfg.positive_int("full_attention_interval")
-    names = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
-    return _kinds_from_names(cfg, names, sizes, "every full_attention_interval-th layer full")
+    return kinds_from_names(cfg, names, sizes, "even layers, as GptOssConfig derives them")
 
 
 def _all_full(cfg: ConfigReader, n: int) -> list[LayerKind]:
     return [FULL] * n
+
+
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -261,13 +236,20 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2", "Qwen2", ("Qwen2ForCausalLM",), ("qwen2",), TEXT_DEFAULTS["qwen2"], _qwen),
     Family("qwen3", "Qwen3", ("Qwen3ForCausalLM",), ("qwen3",), TEXT_DEFAULTS["qwen3"], _qwen),
     Family("gpt_oss", "GPT-OSS", ("GptOssForCausalLM",), ("gpt_oss",), TEXT_DEFAULTS["gpt_oss"], _gpt_oss),
-    Family("qwen3_next", "Qwen3-Next", ("Qwen3NextForCausalLM",), ("qwen3_next",), TEXT_DEFAULTS["qwen3_next"],
-           _qwen3_next),
-    Family("qwen3_5", "Qwen3.5", ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
-           ("qwen3_5", "qwen3_5_text"), TEXT_DEFAULTS["qwen3_5"], _qwen3_next),
-    Family("qwen3_5_moe", "Qwen3.5-MoE", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
-           ("qwen3_5_moe", "qwen3_5_moe_text"), TEXT_DEFAULTS["qwen3_5_moe"], _qwen3_next),
     Family("llama", "Llama", ("LlamaForCausalLM",), ("llama",), TEXT_DEFAULTS["llama"], _all_full),
+    Family("qwen3_next", "Qwen3-Next", ("Qwen3NextForCausalLM",), ("qwen3_next",), TEXT_DEFAULTS["qwen3_next"],
+           qwen_linear_kinds, state_layers.gated_delta_net),
+    Family("qwen3_5", "Qwen3.5", ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"), ("qwen3_5", "qwen3_5_text"),
+           TEXT_DEFAULTS["qwen3_5"], qwen_linear_kinds, state_layers.gated_delta_net),
+    Family("qwen3_5_moe", "Qwen3.5 MoE", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
+           ("qwen3_5_moe", "qwen3_5_moe_text"), TEXT_DEFAULTS["qwen3_5_moe"], qwen_linear_kinds,
+           state_layers.gated_delta_net),
+    Family("nemotron_h", "Nemotron-H", ("NemotronHForCausalLM",), ("nemotron_h",), TEXT_DEFAULTS["nemotron_h"],
+           nemotron_kinds, state_layers.nemotron_h, nemotron_count),
+    Family("granitemoehybrid", "Granite 4 (GraniteMoeHybrid)", ("GraniteMoeHybridForCausalLM",), ("granitemoehybrid",),
+           TEXT_DEFAULTS["granitemoehybrid"], granite_kinds, state_layers.granite_moe_hybrid),
+    Family("falcon_h1", "Falcon-H1", ("FalconH1ForCausalLM",), ("falcon_h1",), TEXT_DEFAULTS["falcon_h1"],
+           falcon_h1_kinds, state_layers.falcon_h1),
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}
@@ -317,16 +299,27 @@ def _check_dtype(dtype: str, error: type[Exception], what: str) -> None:
         raise error(f"{what} {dtype!r} is not supported; expected one of {sorted(DTYPE_BYTES)}") from None
 
 
-def _spec(kind: LayerKind, **common: Any) -> KVCacheSpec | None:
-    """The core spec of a layer kind: the one map from our kinds to the core's spec classes
-    (None for linear attention until the core has its state spec)."""
-    if kind.kind == LINEAR_KIND:
-        return None
+def _spec(kind: LayerKind, **common: Any) -> KVCacheSpec:
+    """The core spec of a layer kind: the one map from our kinds to the core's spec classes."""
     if kind.kind == SLIDING_KIND:
         return SlidingWindowSpec(sliding_window=kind.size, **common)
     if kind.kind == CHUNKED_KIND:
         return ChunkedLocalAttentionSpec(attention_chunk_size=kind.size, **common)
     return FullAttentionSpec(**common)
+
+
+def _unified(specs: list[CacheSpec], block_size: int) -> tuple[CacheSpec, ...]:
+    """``specs`` with one page size: unchanged without states, else at the block size
+    :func:`~hybridkv.core.state_spec.unify_page_sizes` picks (a multiple of
+    :data:`STATE_ALIGNMENT` and of ``block_size``)."""
+    states = [s for s in specs if isinstance(s, StateSpec)]
+    if not states:
+        return tuple(specs)
+    attention = [s for s in specs if isinstance(s, KVCacheSpec)]
+    _, new_attention, new_states = unify_page_sizes(
+        attention, states, block_size=block_size, alignment=lcm(STATE_ALIGNMENT, block_size))
+    it_a, it_s = iter(new_attention), iter(new_states)
+    return tuple(next(it_s) if isinstance(s, StateSpec) else next(it_a) for s in specs)
 
 
 def language_model_config(
@@ -396,7 +389,7 @@ def model_layers(
         archs = config.get("architectures")
         selected_by = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else fam.name
     cfg = ConfigReader(config, label, fam.defaults)
-    num_layers = cfg.positive_int("num_hidden_layers")
+    num_layers = cfg.positive_int("num_hidden_layers") if fam.num_layers is None else fam.num_layers(cfg)
     num_heads = cfg.positive_int("num_attention_heads")
     kv_heads = cfg.optional_positive_int("num_key_value_heads")
     kv_heads = num_heads if kv_heads is None else kv_heads
@@ -406,14 +399,27 @@ def model_layers(
         if hidden % num_heads:
             raise cfg.fail("hidden_size", f"({hidden}) is not a multiple of num_attention_heads ({num_heads})")
         head_dim = hidden // num_heads
-    kv_dtype = dtype
-    if kv_dtype is None:
-        kv_dtype = cfg.dtype() or DEFAULT_DTYPE
-        _check_dtype(kv_dtype, InvalidConfigError, f"{label}: torch_dtype")
+    model_dtype = cfg.dtype() or DEFAULT_DTYPE
+    if dtype is None:
+        _check_dtype(model_dtype, InvalidConfigError, f"{label}: torch_dtype")
+    kv_dtype = dtype or model_dtype
     max_pos = cfg.optional_positive_int("max_position_embeddings")
     kinds = tuple(fam.layer_kinds(cfg, num_layers))
     common = dict(block_size=block_size, num_kv_heads=kv_heads, head_size=head_dim, dtype=kv_dtype)
-    specs = tuple(_spec(k, **common) for k in kinds)
+    state = None
+    if fam.state is not None and any(k.has_state for k in kinds):
+        _check_dtype(model_dtype, InvalidConfigError, f"{label}: torch_dtype")
+        state = fam.state(cfg, block_size, model_dtype)
+    caches: list[tuple[int, CacheSpec]] = []
+    for i, kind in enumerate(kinds):
+        if kind.attention is not None:
+            caches.append((i, _spec(LayerKind(kind.attention, kind.size), **common)))
+        if kind.has_state:
+            caches.append((i, state))
+    if not caches:
+        raise InvalidConfigError(
+            f"{label}: no layer keeps a KV cache or a state ({num_layers} layers); nothing to plan")
+    specs = _unified([s for _, s in caches], block_size)
     return ModelLayers(
         name=name or label,
         family=fam.name,
@@ -421,8 +427,10 @@ def model_layers(
         specs=specs,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        dtype=next((s.dtype for s in specs if s is not None), kv_dtype),
-        block_size=block_size,
+        dtype=next((s.dtype for s in specs if isinstance(s, KVCacheSpec)), _DTYPE_ALIASES.get(kv_dtype, kv_dtype)),
+        block_size=specs[0].block_size,
         max_position_embeddings=max_pos,
         kinds=kinds,
+        layer_ids=() if [i for i, _ in caches] == list(range(len(caches))) else tuple(i for i, _ in caches),
+        requested_block_size=block_size,
     )

@@ -33,6 +33,12 @@ LIMITS: dict[str, int] = {
     "num_key_value_heads": 65_536,
     "head_dim": 65_536,
     "hidden_size": 2**24,
+    # recurrent state dimensions (linear attention, Mamba)
+    **dict.fromkeys(("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_conv_kernel_dim", "mamba_num_heads", "mamba_head_dim", "mamba_n_heads", "mamba_d_head",
+                     "n_groups", "mamba_n_groups", "ssm_state_size", "mamba_d_state", "conv_kernel", "mamba_d_conv",
+                     "mamba_expand", "full_attention_interval"), 65_536),
+    "mamba_d_ssm": 2**24,
 }
 #: the bound of every other integer key (token counts: windows, chunks, positions)
 DEFAULT_LIMIT = MAX_TOKENS

@@ -47,26 +47,47 @@ slots, would win instead.)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
-from hybridkv.core.specs import KVCacheSpec, cdiv
+from hybridkv.core.specs import CacheSpec, cdiv
+from hybridkv.core.state_spec import StateSpec
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 
-__all__ = ["LayerGroup", "Grouping", "GroupSizeOption", "group_size_options", "group_layers"]
+__all__ = ["LayerGroup", "Grouping", "GroupSizeOption", "RequestBytes", "group_size_options", "group_layers"]
 
 
 @dataclass(frozen=True, slots=True)
 class LayerGroup:
-    """One KV cache group: a spec, its real layers, and ``slots - len(layers)`` padding."""
+    """One KV cache group: a spec (attention KV or a state), its real layers, and
+    ``slots - len(layers)`` padding."""
 
-    spec: KVCacheSpec
+    spec: CacheSpec
     layers: tuple[int, ...]
     slots: int
 
     @property
     def padding(self) -> int:
         return self.slots - len(self.layers)
+
+    @property
+    def is_state(self) -> bool:
+        """Whether the group holds recurrent states (else attention KV)."""
+        return isinstance(self.spec, StateSpec)
+
+    def bytes_per_request(self, num_tokens: int, max_num_batched_tokens: int | None = None) -> int:
+        """Bytes one request of ``num_tokens`` holds at most in the group's real layers
+        (its padded slots not counted; a state's page padding is)."""
+        return len(self.layers) * self.spec.max_memory_usage_bytes(num_tokens, max_num_batched_tokens)
+
+
+class RequestBytes(NamedTuple):
+    """What one request holds at most: attention KV, recurrent state (pages, padded), and
+    the pages of padded slots, in bytes."""
+
+    kv: int
+    state: int
+    padding: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +138,13 @@ class Grouping:
         budget = self.max_num_batched_tokens
         return self.page_size_bytes * sum(g.padding * g.spec.max_num_blocks(num_tokens, budget) for g in self.groups)
 
+    def request_bytes(self, num_tokens: int) -> RequestBytes:
+        """KV, state and slot-padding bytes of one request of ``num_tokens``."""
+        budget = self.max_num_batched_tokens
+        kv = sum(g.bytes_per_request(num_tokens, budget) for g in self.groups if not g.is_state)
+        state = sum(g.bytes_per_request(num_tokens, budget) for g in self.groups if g.is_state)
+        return RequestBytes(kv, state, self.padding_bytes_per_request(num_tokens))
+
     def max_concurrency(self, memory_bytes: int, num_tokens: int) -> float:
         """Requests of ``num_tokens`` that ``memory_bytes`` holds at once (the null block taken out)."""
         usable = max(memory_bytes // self.bytes_per_block - 1, 0)
@@ -129,14 +157,21 @@ class Grouping:
         return tuple(g.layers[position] if position < len(g.layers) else None for g in self.groups)
 
 
-def _by_type(specs: Sequence[KVCacheSpec]) -> list[tuple[KVCacheSpec, list[int]]]:
-    """(spec, layer indices) per distinct spec: full attention first, then by first layer."""
+def _by_type(
+    specs: Sequence[CacheSpec], layer_ids: Sequence[int] | None = None
+) -> list[tuple[CacheSpec, list[int]]]:
+    """(spec, layer indices) per distinct spec: full attention first, then by first layer.
+    ``layer_ids[k]`` is the layer of ``specs[k]`` (None: k)."""
     if not specs:
-        raise InvalidConfigError("a model needs at least one attention layer to plan a KV cache")
-    types: dict[KVCacheSpec, list[int]] = {}
-    for i, spec in enumerate(specs):
-        if not isinstance(spec, KVCacheSpec):
-            raise InvalidConfigError(f"layer {i}: expected a KVCacheSpec, got {spec!r}")
+        raise InvalidConfigError("a model needs at least one layer with a KV cache or a state to plan a cache")
+    if layer_ids is None:
+        layer_ids = range(len(specs))
+    elif len(layer_ids) != len(specs):
+        raise InvalidArgumentError(f"layer_ids has {len(layer_ids)} entries for {len(specs)} specs")
+    types: dict[CacheSpec, list[int]] = {}
+    for i, spec in zip(layer_ids, specs):
+        if not isinstance(spec, CacheSpec):
+            raise InvalidConfigError(f"layer {i}: expected a CacheSpec, got {spec!r}")
         types.setdefault(spec, []).append(i)
     block_sizes = {s.block_size for s in types}
     if len(block_sizes) != 1:
@@ -146,16 +181,19 @@ def _by_type(specs: Sequence[KVCacheSpec]) -> list[tuple[KVCacheSpec, list[int]]
         detail = ", ".join(f"{s.type_id} ({len(ix)} layers)" for s, ix in types.items())
         raise InvalidConfigError(
             "layers with different page sizes cannot share one pool (different head_dim, KV heads "
-            f"or dtype per layer is not supported): {detail}"
+            f"or dtype per layer is not supported; states must be padded to one page first): {detail}"
         )
     return sorted(types.items(), key=lambda item: (item[0].kind != "full_attention", item[1][0]))
 
 
 def group_size_options(
-    specs: Sequence[KVCacheSpec], max_model_len: int, max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    specs: Sequence[CacheSpec],
+    max_model_len: int,
+    max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    layer_ids: Sequence[int] | None = None,
 ) -> list[GroupSizeOption]:
     """Every candidate group size (smallest type's count .. largest's), smallest first."""
-    types = _by_type(specs)
+    types = _by_type(specs, layer_ids)
     counts = [len(ix) for _, ix in types]
     options = []
     for size in range(min(counts), max(counts) + 1):
@@ -169,7 +207,7 @@ def group_size_options(
     return options
 
 
-def _arrange(types: list[tuple[KVCacheSpec, list[int]]], group_size: int, budget: int | None) -> Grouping:
+def _arrange(types: list[tuple[CacheSpec, list[int]]], group_size: int, budget: int | None) -> Grouping:
     groups = []
     for spec, layers in types:
         k = cdiv(len(layers), group_size)
@@ -178,14 +216,17 @@ def _arrange(types: list[tuple[KVCacheSpec, list[int]]], group_size: int, budget
 
 
 def group_layers(
-    specs: Sequence[KVCacheSpec],
+    specs: Sequence[CacheSpec],
     max_model_len: int,
     *,
     group_size: int | None = None,
     max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     memory_bytes: int | None = None,
+    layer_ids: Sequence[int] | None = None,
 ) -> Grouping:
-    """Group the layers (``specs[i]`` is layer i) for requests of up to ``max_model_len`` tokens.
+    """Group the layers (``specs[i]`` is layer i, or layer ``layer_ids[i]``) for requests of
+    up to ``max_model_len`` tokens. State layers group like attention layers: their own
+    type (equal specs only), two pages per slot and request.
 
     ``group_size`` forces a size (any positive int: a type of n layers then fills
     ``cdiv(n, group_size)`` groups); by default the candidate that holds the most
@@ -206,10 +247,10 @@ def group_layers(
     for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("memory_bytes", memory_bytes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-    types = _by_type(specs)
+    types = _by_type(specs, layer_ids)
     budget = max_num_batched_tokens
     if group_size is None:
-        options = group_size_options(specs, max_model_len, budget)
+        options = group_size_options(specs, max_model_len, budget, layer_ids)
         if memory_bytes is None:
             best = min(options, key=lambda o: (o.padding_pages_per_request, o.group_size))
             return _arrange(types, best.group_size, budget)

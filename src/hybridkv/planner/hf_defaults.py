@@ -29,6 +29,12 @@ __all__ = ["TEXT_DEFAULTS", "MULTIMODAL_DEFAULTS", "DEFAULT_MAX_POSITION_EMBEDDI
 #: the context the engine runs when a config states no ``max_position_embeddings``
 DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
 
+#: Qwen3-Next / Qwen3.5's Gated DeltaNet fields (equal in the three classes)
+_GATED_DELTA_NET: dict[str, Any] = {
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+}
+
 _TEXT: dict[str, dict[str, Any]] = {
     # LlamaConfig
     "llama": {
@@ -79,34 +85,44 @@ _TEXT: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False, "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128,
         "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True,
     },
-    # Qwen3NextConfig (full_attention_interval and partial_rotary_factor: read from kwargs in
-    # __post_init__, defaults 4 and 0.25; mlp_only_layers None means [])
+    # Qwen3NextConfig (full_attention_interval: read from kwargs in __post_init__, default 4)
     "qwen3_next": {
         "vocab_size": 151936, "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 2,
         "head_dim": 256, "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False, "attention_bias": False, "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32, "decoder_sparse_step": 1, "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512, "num_experts_per_tok": 10, "num_experts": 512,
-        "norm_topk_prob": True, "mlp_only_layers": None, "full_attention_interval": 4,
+        "tie_word_embeddings": False, "full_attention_interval": 4, **_GATED_DELTA_NET,
     },
-    # Qwen3_5TextConfig (Qwen3NextConfig's layer rule; dense MLPs, no MoE keys)
+    # Qwen3_5TextConfig (Qwen3.5 dense; full_attention_interval as Qwen3-Next)
     "qwen3_5": {
         "vocab_size": 248320, "intermediate_size": 12288, "num_attention_heads": 16, "num_key_value_heads": 4,
-        "head_dim": 256, "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False, "attention_bias": False, "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32, "full_attention_interval": 4,
+        "head_dim": 256, "hidden_act": "silu", "max_position_embeddings": 32768,
+        "tie_word_embeddings": False, "full_attention_interval": 4, **_GATED_DELTA_NET,
     },
-    # Qwen3_5MoeTextConfig (every layer MoE, top-k always renormalised: no intermediate_size,
-    # decoder_sparse_step, mlp_only_layers nor norm_topk_prob)
+    # Qwen3_5MoeTextConfig
     "qwen3_5_moe": {
         "vocab_size": 248320, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
-        "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-        "attention_bias": False, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8,
-        "num_experts": 256, "full_attention_interval": 4,
+        "hidden_act": "silu", "max_position_embeddings": 32768, "tie_word_embeddings": False,
+        "full_attention_interval": 4, **_GATED_DELTA_NET,
+    },
+    # NemotronHConfig (the layer list has no default here: it sets the layer count)
+    "nemotron_h": {
+        "vocab_size": 131072, "intermediate_size": 21504, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 4096, "tie_word_embeddings": False, "ssm_state_size": 128,
+        "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "conv_kernel": 4, "expand": 2,
+        "mamba_ssm_cache_dtype": "float32",
+    },
+    # GraniteMoeHybridConfig (no head_dim field: hidden_size // num_attention_heads)
+    "granitemoehybrid": {
+        "vocab_size": 32000, "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": None,
+        "head_dim": None, "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256,
+        "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2,
+    },
+    # FalconH1Config (no head_dim field: the model reads getattr(config, "head_dim") or hidden // heads)
+    "falcon_h1": {
+        "vocab_size": 128000, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": None, "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "mamba_d_ssm": 1024, "mamba_n_heads": 128, "mamba_d_head": "auto",
+        "mamba_n_groups": 1, "mamba_d_state": 256, "mamba_d_conv": 4, "mamba_expand": 2,
     },
 }
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, KVCacheConfig, KVCacheGroup
-from hybridkv.core.specs import FullAttentionSpec
+from hybridkv.core.specs import FullAttentionSpec, KVCacheSpec
 from hybridkv.errors import InvalidArgumentError, PoolTooSmallError
-from hybridkv.planner.architectures import ModelLayers, layer_name, model_layers
+from hybridkv.planner.architectures import ModelLayers, cache_name, model_layers
 from hybridkv.planner.grouping import Grouping, group_layers
 from hybridkv.planner.presets import load_model_config
 from hybridkv.planner.sizes import format_bytes, parse_bytes, parse_tokens
@@ -127,15 +127,22 @@ class LayoutPlan:
     @property
     def tensors(self) -> tuple[SharedTensor, ...]:
         size = self.num_blocks * self.grouping.page_size_bytes
+        specs = [g.spec for g in self.grouping.groups]
         return tuple(
-            SharedTensor(j, tuple(None if i is None else layer_name(i) for i in self.grouping.position_layers(j)), size)
+            SharedTensor(
+                j,
+                tuple(None if i is None else cache_name(i, spec)
+                      for i, spec in zip(self.grouping.position_layers(j), specs)),
+                size,
+            )
             for j in range(self.grouping.group_size)
         )
 
     @property
     def kv_cache_config(self) -> KVCacheConfig:
         """The config a core KV cache manager is built from."""
-        groups = tuple(KVCacheGroup(g.spec, tuple(layer_name(i) for i in g.layers)) for g in self.grouping.groups)
+        groups = tuple(
+            KVCacheGroup(g.spec, tuple(cache_name(i, g.spec) for i in g.layers)) for g in self.grouping.groups)
         return KVCacheConfig(num_blocks=self.num_blocks, groups=groups)
 
 
@@ -155,14 +162,22 @@ def layout_plan(name: str, grouping: Grouping, memory_bytes: int, max_model_len:
 
 
 def full_attention_grouping(
-    model: ModelLayers, max_model_len: int, max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    model: ModelLayers,
+    max_model_len: int,
+    max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    *,
+    memory_bytes: int | None = None,
 ) -> Grouping:
-    """Hybrid off: every layer as full attention, one group of all the layers."""
+    """Hybrid off: every attention layer as full attention (one group of all the layers,
+    when they are all attention). State layers stay states, in their own groups: a
+    recurrent layer has no KV to keep in full."""
     specs = [
         FullAttentionSpec(block_size=s.block_size, num_kv_heads=s.num_kv_heads, head_size=s.head_size, dtype=s.dtype)
+        if isinstance(s, KVCacheSpec) else s
         for s in model.specs
     ]
-    return group_layers(specs, max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+    return group_layers(specs, max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                        memory_bytes=memory_bytes if model.state_specs else None, layer_ids=model.cache_layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,9 +241,11 @@ def plan_memory(
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise InvalidArgumentError(f"{what} must be a positive int, got {value!r}")
     budget = max_num_batched_tokens
-    grouping = group_layers(model.specs, max_model_len, max_num_batched_tokens=budget, memory_bytes=memory_bytes)
+    grouping = group_layers(model.specs, max_model_len, max_num_batched_tokens=budget, memory_bytes=memory_bytes,
+                            layer_ids=model.cache_layers)
     hybrid_plan = layout_plan("hybrid", grouping, memory_bytes, max_model_len)
-    full_plan = layout_plan("full", full_attention_grouping(model, max_model_len, budget), memory_bytes, max_model_len)
+    full = full_attention_grouping(model, max_model_len, budget, memory_bytes=memory_bytes)
+    full_plan = layout_plan("full", full, memory_bytes, max_model_len)
     result = MemoryPlan(model, memory_bytes, max_model_len, hybrid_plan, full_plan, hybrid)
     used = result.layout
     if used.num_blocks < 2:

@@ -3,15 +3,25 @@
 Each preset in ``presets/*.json`` holds the attention-relevant fields of a public
 Hugging Face ``config.json``, copied as published (nothing derived or renamed):
 
-==============  ==================================  ======================================
-preset          Hugging Face repository             attention layout
-==============  ==================================  ======================================
-llama4-scout    meta-llama/Llama-4-Scout-17B-16E    36 chunked (8192) + 12 NoPE full
-gemma-3-27b     google/gemma-3-27b-it               52 sliding (1024) + 10 full
-mistral-7b      mistralai/Mistral-7B-v0.1           32 sliding (4096)
-gpt-oss-20b     openai/gpt-oss-20b                  12 sliding (128) + 12 full, alternating
-llama-3.1-8b    meta-llama/Llama-3.1-8B             32 full
-==============  ==================================  ======================================
+==================  ================================  ========================================
+preset              Hugging Face repository           layout
+==================  ================================  ========================================
+llama4-scout        meta-llama/Llama-4-Scout-17B-16E  36 chunked (8192) + 12 NoPE full
+gemma-3-27b         google/gemma-3-27b-it             52 sliding (1024) + 10 full
+mistral-7b          mistralai/Mistral-7B-v0.1         32 sliding (4096)
+gpt-oss-20b         openai/gpt-oss-20b                12 sliding (128) + 12 full, alternating
+llama-3.1-8b        meta-llama/Llama-3.1-8B           32 full
+qwen3-next-80b-a3b  Qwen/Qwen3-Next-80B-A3B-Instruct  36 Gated DeltaNet + 12 full (every 4th)
+qwen3.5-35b-a3b     Qwen/Qwen3.5-35B-A3B              30 Gated DeltaNet (fp32 state) + 10 full
+==================  ================================  ========================================
+
+Provenance of the two state-model presets (no copy of the repositories' own files was
+reachable from here): every field is the published value as transcribed in several
+public projects that quote the release's config.json (Qwen3-Next: the field list shared
+by the -Instruct, -Thinking and Coder-Next releases; it states ``full_attention_interval``
+and no ``layer_types``; Qwen3.5-35B-A3B: its ``text_config`` with ``layer_types`` and
+``mamba_ssm_dtype: float32``), and agrees with transformers 5.24's ``Qwen3NextConfig`` /
+``Qwen3_5MoeTextConfig`` defaults, whose docstrings name these checkpoints.
 
 :func:`load_model_config` takes a preset name, a Hugging Face repository id of a
 preset, a path to a ``config.json``, or a directory that contains one; an installed
@@ -53,6 +63,9 @@ PRESETS: dict[str, Preset] = {
         Preset("mistral-7b", "mistralai/Mistral-7B-v0.1", ("mistral-7b-v0.1",)),
         Preset("gpt-oss-20b", "openai/gpt-oss-20b", ()),
         Preset("llama-3.1-8b", "meta-llama/Llama-3.1-8B", ("llama3.1-8b", "llama-3.1-8b-instruct")),
+        Preset("qwen3-next-80b-a3b", "Qwen/Qwen3-Next-80B-A3B-Instruct",
+               ("qwen3-next-80b", "qwen3-next", "qwen3-next-80b-a3b-instruct")),
+        Preset("qwen3.5-35b-a3b", "Qwen/Qwen3.5-35B-A3B", ("qwen3.5-35b", "qwen3_5-35b-a3b")),
     )
 }
 
