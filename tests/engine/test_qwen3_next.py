@@ -221,12 +221,13 @@ def test_layers_and_loading(tiny, tmp_path):
     save_file({"mtp.fc.weight": torch.zeros(2, 2)}, str(tmp_path / "m" / "extra.safetensors"))
     assert load_model(tmp_path / "m").linear_layers == [0, 2]
     assert model_class_for({"architectures": ["Qwen3NextForCausalLM"]}) is Qwen3NextForCausalLM
-    assert ours.layer_attention_types() == [("linear_attention", None), ("full", None)] * 2
+    assert ours.layer_attention_types() == [("linear", None), ("full", None)] * 2
     assert ours.linear_layers == [0, 2]
     assert [type(layer.mlp).__name__ for layer in ours.model.layers] == ["GatedMLP", "SparseMoeBlock"] * 2
     assert ours.rotary_dim == 8
-    specs = model_layers({"architectures": ["Qwen3NextForCausalLM"], **ours.config}).specs
-    assert specs[0] is None and specs[1].kind == "full_attention"
+    layout = model_layers({"architectures": ["Qwen3NextForCausalLM"], **ours.config})
+    assert layout.cache_layers == (0, 1, 2, 3) and [s.kind for s in layout.specs] == ["mamba", "full_attention"] * 2
+    assert ours.kv_cache_specs(16)[0] is None and ours.kv_cache_specs(16)[1].kind == "full_attention"
     shape = ours.state_shape()
     assert (shape.conv_shape, shape.ssm_shape) == ((3, 2 * 2 * 16 + 4 * 8), (4, 16, 8))
     # the 80B layout: every 4th layer full

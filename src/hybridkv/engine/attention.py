@@ -44,14 +44,14 @@ __all__ = ["AttentionType", "FULL", "AttentionMetadata", "paged_attention", "all
 @dataclass(frozen=True, slots=True)
 class AttentionType:
     """``kind`` is ``"full"``, ``"sliding"`` (``size`` = window) or ``"chunked"`` (``size`` = chunk);
-    ``"linear_attention"`` names a Gated DeltaNet layer, which has no KV and never runs
+    ``"linear"`` (the planner's ``LINEAR_KIND``) names a Gated DeltaNet layer, which has no KV and never runs
     :func:`paged_attention` (see :mod:`hybridkv.engine.models.gated_deltanet`)."""
 
     kind: str
     size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind in ("full", "linear_attention"):
+        if self.kind in ("full", "linear"):
             if self.size is not None:
                 raise InvalidConfigError(f"{self.kind} attention takes no window/chunk size")
         elif self.kind in ("sliding", "chunked"):
@@ -59,7 +59,7 @@ class AttentionType:
                 raise InvalidConfigError(f"{self.kind} attention needs a positive int size, got {self.size!r}")
         else:
             raise InvalidConfigError(
-                f"unknown attention kind {self.kind!r}; expected full, sliding, chunked or linear_attention"
+                f"unknown attention kind {self.kind!r}; expected full, sliding, chunked or linear"
             )
 
     def first_key(self, pos: torch.Tensor) -> torch.Tensor:

@@ -335,6 +335,12 @@ class CausalLM(nn.Module):
         """Per layer ``("full", None)``, ``("sliding", W)`` or ``("chunked", C)``."""
         return [self.attention_type(i).as_tuple() for i in range(self.num_layers)]
 
-    def kv_cache_specs(self, block_size: int, dtype: str = "bfloat16") -> list[KVCacheSpec]:
-        """One core KV cache spec per layer: the planner's specs of this model's config."""
-        return list(model_layers(self.config, family=self.family, block_size=block_size, dtype=dtype).specs)
+    def kv_cache_specs(self, block_size: int, dtype: str = "bfloat16") -> list[KVCacheSpec | None]:
+        """One core KV cache spec per layer, the planner's (None for a layer with no KV: a
+        linear-attention layer keeps a state, :meth:`~hybridkv.planner.ModelLayers.state_specs`)."""
+        layout = model_layers(self.config, family=self.family, block_size=block_size, dtype=dtype)
+        out: list[KVCacheSpec | None] = [None] * self.num_layers
+        for i, spec in zip(layout.cache_layers, layout.specs):
+            if isinstance(spec, KVCacheSpec):
+                out[i] = spec
+        return out
