@@ -177,11 +177,11 @@ def test_an_engine_failure_is_a_500_without_detail_and_serving_goes_on(tiny_llm,
     real = engine.step_deltas
     calls = {"n": 0}
 
-    def flaky():
+    def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] in (2, 5):  # fail mid-request, twice
             raise RuntimeError("secret internal detail")
-        return real()
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(engine, "step_deltas", flaky)
 
