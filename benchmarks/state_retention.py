@@ -167,12 +167,12 @@ def main(argv=None) -> int:
     for retention in (None, 0, 4 * bs, 16 * bs):
         r = run(retention, args)
         label = "None" if retention is None else ("0" if retention == 0 else f"{retention // bs}*block")
-        print(f"{label:>11} {r['hit'] / max(1, r['admitted']):>8.3f} {r['hit']:>10} {r['admitted']:>9} {r['checkpoints']:>11} "
-              f"{r['state_blocks']:>8} {r['attn_cached']:>11} {r['usage']:>10.3f} {r['steps']:>6} {r['preempt']:>7} "
-              f"{r['seconds']:>5.1f}", flush=True)
-    print("hit rate = prefix-hit tokens / tokens of the admitted requests (at admission); state ckpts = cached checkpoints (x3 groups = blocks) at the end; "
-          "attn cached = cached full-attention blocks at the end; mean usage = blocks held by requests / usable, "
-          "per step")
+        print(f"{label:>11} {r['hit'] / max(1, r['admitted']):>8.3f} {r['hit']:>10} {r['admitted']:>9} "
+              f"{r['checkpoints']:>11} {r['state_blocks']:>8} {r['attn_cached']:>11} {r['usage']:>10.3f} "
+              f"{r['steps']:>6} {r['preempt']:>7} {r['seconds']:>5.1f}", flush=True)
+    print("hit rate = prefix-hit tokens / tokens of the admitted requests (at admission); state ckpts = cached "
+          "checkpoints (x3 groups = blocks) at the end; attn cached = cached full-attention blocks at the end; "
+          "mean usage = blocks held by requests / usable, per step")
     return 0
 
 

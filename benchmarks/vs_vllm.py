@@ -668,12 +668,14 @@ def state_main(args, rounds: int, t0: float) -> int:
         for mode in MODES:
             c = run_state_check(make_state_trace(name, quick=args.quick), mode)
             checks.append(c)
-            print(f"  [{name}] {mode}: {'agree' if c['ok'] else 'DISAGREE'} ({c['seconds']:.0f} s)", flush=True)
+            ok = "agree" if c["ok"] else "DISAGREE"
+            print(f"  [{name}] {mode}: {ok} ({c['seconds']:.0f} s)", flush=True)
     print_state_checks(checks)
     print("\nvLLM's junction (shared_prefix_boundary set by its scheduler, retention 0), each manager alone:")
     for name in ("q0", "q0s"):
         for key, r in junction_experiment(make_state_trace(name, quick=args.quick)).items():
-            print(f"  {name} {key:14} hit tokens {r['hit']:>8} of {r['query']:>8} ({r['hit'] / max(1, r['query']):.3f}); "
+            print(f"  {name} {key:14} hit tokens {r['hit']:>8} of {r['query']:>8} "
+                  f"({r['hit'] / max(1, r['query']):.3f}); "
                   f"admitted {r['admitted']}, finished {r['finished']}, preempted {r['preempt']}, cached blocks "
                   f"{r['cached']}" + (f", junctions {r['junctions']}" if key.endswith("junction") else ""))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")

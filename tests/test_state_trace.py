@@ -127,3 +127,15 @@ def test_alignment_example():
     f = functools.partial(vllm_align, bs=16, max_prefill=256)
     assert f(None, 78, 78, 0, 5) == 0 and ours_align(None, 78, 78, 0, 5, bs=16) == 5
     assert f(None, 78, 78, 0, 40) == 32 and f(None, 78, 78, 64, 14) == 14  # 64 = (78 - 1) // 16 * 16
+
+
+def test_state_retention_script_smoke(capsys):
+    import state_retention
+
+    assert state_retention.main(["--block", "16", "--pool", "300", "--users", "6", "--conversations", "12",
+                                 "--budget", "256"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:7]]
+    assert [r[0] for r in rows] == ["None", "0", "4*block", "16*block"]
+    rate = {r[0]: float(r[1]) for r in rows}
+    ckpts = {r[0]: int(r[4]) for r in rows}
+    assert 0 < rate["0"] <= 1 and ckpts["None"] >= ckpts["4*block"] >= ckpts["0"]
