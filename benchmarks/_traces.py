@@ -95,13 +95,18 @@ def full_groups() -> tuple[GroupDesc, ...]:
     return (GroupDesc("full"),)
 
 
-def group_specs(tr: "TraceSpec", full, chunked, sliding, dtype) -> list:
+def group_specs(tr: "TraceSpec", full, chunked, sliding, dtype, state=None) -> list:
     """One spec per group of ``tr``, built with a library's spec classes (hybridkv's or
-    vLLM's: the same keyword names) and its dtype value."""
+    vLLM's: the same keyword names) and its dtype value. ``state(block_size, shapes,
+    page_size_padded)`` builds a state group's spec (kind "state": ``tr.state_shapes``, the
+    page padded to the attention page)."""
     common = dict(block_size=tr.block_size, num_kv_heads=tr.num_kv_heads, head_size=tr.head_size, dtype=dtype)
     specs = []
     for g in tr.groups:
-        if g.kind == "full":
+        if g.kind == "state":
+            page = 2 * tr.block_size * tr.num_kv_heads * tr.head_size * 2  # bf16 K and V
+            specs.append(state(block_size=tr.block_size, shapes=tr.state_shapes, page_size_padded=page))
+        elif g.kind == "full":
             specs.append(full(**common))
         elif g.kind == "chunked":
             specs.append(chunked(attention_chunk_size=g.param, **common))
@@ -134,12 +139,19 @@ class TraceSpec:
     num_kv_heads: int = 8
     head_size: int = 128
     max_model_len: int = 1 << 22
+    #: state groups (GroupDesc kind "state"): per-layer state shapes, bf16
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+    #: which state checkpoints are cached (``prefix_cache_retention_interval``: None dense, 0, k)
+    retention: int | None = None
+    #: prefill chunks clipped as a scheduler for state groups does:
+    #: ``align(req, num_prompt_tokens, num_tokens, num_computed, n) -> n'`` (0: not this step)
+    align: Callable | None = None
 
     @property
     def shape(self) -> str:
         kinds: dict[str, int] = {}
         for g in self.groups:
-            key = g.kind if g.kind == "full" else f"{g.kind}({g.param})"
+            key = g.kind if g.kind in ("full", "state") else f"{g.kind}({g.param})"
             kinds[key] = kinds.get(key, 0) + 1
         return " + ".join(f"{n}x{k}" for k, n in kinds.items())
 
@@ -406,6 +418,9 @@ class Driver:
         new_ids = lane.new_ids if sched_mode else None
         table_ids = lane.table_ids if sched_mode else None
         arrived: list = []
+        align = tr.align
+        if align is not None:
+            align = getattr(lane, "align", None) or align
         for step in range(total_steps):
             timed = step >= tr.warmup_steps
             # ---- untimed: top up the queue, build the request objects that may be admitted
@@ -446,6 +461,8 @@ class Driver:
                 n = st.total - st.computed
                 if n > budget:
                     n = budget
+                if align is not None and n > 0:
+                    n = align(st.req, len(st.tokens), st.total, st.computed, n)
                 if n <= 0:
                     i += 1
                     continue
@@ -481,6 +498,10 @@ class Driver:
                     n = st.total - hit
                     if n > budget:
                         n = budget
+                    if align is not None:
+                        n = align(req, len(st.tokens), st.total, hit, n)
+                        if n <= 0:  # vLLM's scheduler: stop admitting this step
+                            break
                     if alloc(req, n, hit, r[0]) is None:
                         res.alloc_fail_admit += 1
                         break
@@ -562,14 +583,18 @@ class HybridLane:
         from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
         from hybridkv.core.kv_cache_manager import KVCacheManager
         from hybridkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+        from hybridkv.core.state_spec import StateSpec
 
-        specs = group_specs(tr, FullAttentionSpec, ChunkedLocalAttentionSpec, SlidingWindowSpec, "bfloat16")
+        def state(**kw):
+            return StateSpec(dtypes=("bfloat16",) * len(kw["shapes"]), **kw)
+
+        specs = group_specs(tr, FullAttentionSpec, ChunkedLocalAttentionSpec, SlidingWindowSpec, "bfloat16", state)
         groups = tuple(KVCacheGroup(spec, (f"layers.{i}",)) for i, spec in enumerate(specs))
         cfg = KVCacheConfig(num_blocks=tr.num_blocks, groups=groups)
         self.kv = kv = KVCacheManager(
             cfg,
             CacheManagerConfig(max_model_len=tr.max_model_len, enable_caching=True, hash_algo=self.hash_algo,
-                               stripe_groups=self.stripe_groups),
+                               stripe_groups=self.stripe_groups, prefix_cache_retention_interval=tr.retention),
             uncached_first=self.uncached_first,
         )
         self.lookup = kv.get_computed_blocks
@@ -585,7 +610,8 @@ class HybridLane:
 
             self.alloc = alloc
         self.free = kv.free
-        self.new_step = _noop
+        # state checkpoints cached in a step may be hit only from the next one (vLLM's hook too)
+        self.new_step = kv.new_step_starts if kv.coordinator.state_managers else _noop
         if self.sched:
             from hybridkv.core.kv_cache_manager import KVCacheBlocks
             from hybridkv.core.request import Request

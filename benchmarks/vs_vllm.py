@@ -23,6 +23,12 @@ Run (from the repository root)::
     PYTHONPATH=src .venv-vllm/bin/python benchmarks/vs_vllm.py            # ~2-3 min
     PYTHONPATH=src .venv-vllm/bin/python benchmarks/vs_vllm.py --quick    # ~20-40 s
     PYTHONPATH=src .venv-vllm/bin/python benchmarks/vs_vllm.py --check-only --fuzz 300
+    PYTHONPATH=src .venv-vllm/bin/python benchmarks/vs_vllm.py --state [--quick]  # state groups (~2 min)
+
+``--state``: the Qwen3-Next traces of ``_state_trace.py`` (1 full + 3 Gated DeltaNet state
+groups, MambaSpec "align" mode in vLLM) at retention 0 and None, timed like the others, then
+checked step by step (``_vllm_state.py``: also cached positions per group and the chunk
+alignment rules) at blocks 544 and 16, and vLLM's junction checkpoints measured apart.
 
 Semantics check modes:
 
@@ -109,13 +115,18 @@ class VllmLane:
             FullAttentionSpec,
             KVCacheConfig,
             KVCacheGroupSpec,
+            MambaSpec,
             SlidingWindowSpec,
         )
         from vllm.v1.request import Request
 
-        specs = group_specs(tr, FullAttentionSpec, ChunkedLocalAttentionSpec, SlidingWindowSpec, torch.bfloat16)
+        def state(**kw):  # align mode: what vLLM runs whenever prefix caching is on
+            return MambaSpec(dtypes=(torch.bfloat16,) * len(kw["shapes"]), mamba_cache_mode="align", **kw)
+
+        specs = group_specs(tr, FullAttentionSpec, ChunkedLocalAttentionSpec, SlidingWindowSpec, torch.bfloat16, state)
         groups = [KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(specs)]
-        cfg = KVCacheConfig(num_blocks=tr.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+        cfg = KVCacheConfig(num_blocks=tr.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+                            prefix_cache_retention_interval=tr.retention)
         hash_fn = get_hash_fn_by_name("sha256")
         init_none_hash(hash_fn)
         self._hasher = get_request_block_hasher(tr.block_size, hash_fn)
@@ -422,6 +433,14 @@ def make_lane(key: str):
     return HybridLane(sched=sched) if key.startswith("hybridkv") else VllmLane(sched=sched)
 
 
+def _make_trace(name: str, quick: bool):
+    if name.startswith("q"):
+        from _state_trace import make_state_trace
+
+        return make_state_trace(name, quick=quick)
+    return make_trace(name, quick=quick)
+
+
 def bench(traces, quick: bool, rounds: int, lanes=LANES):
     """Per trace and round: every lane in ``lanes`` plays the trace side by side (run_interleaved),
     the lane order reversed every other round. Ratios are per round (hybridkv / vLLM of one kind)."""
@@ -429,7 +448,7 @@ def bench(traces, quick: bool, rounds: int, lanes=LANES):
     kinds = [k for k in ("", "+sched") if f"hybridkv{k}" in lanes and f"vllm{k}" in lanes]
     for name in traces:
         t_trace = time.perf_counter()
-        tr = make_trace(name, quick=quick)
+        tr = _make_trace(name, quick=quick)
         per = {k: [] for k in lanes}
         per_rs = {k: [] for k in lanes}
         hash_us = {k: [] for k in lanes}
@@ -502,7 +521,7 @@ def print_bench(rows, rounds):
             if k == "":
                 cells[-1] += f" {median(r['ratios_x']) if r['ratios_x'] else float('nan'):>6.3f}"
         print(f"{r['trace']:5} {r['shape']:34} {r['steps']:>5} {r['req_steps'] / r['steps']:>8.1f} "
-              f"{cells[0]} {cells[1]} {TARGET[r['trace']]:>6} {first[0][0]:>17} {'yes' if eq else 'NO':>5}")
+              f"{cells[0]} {cells[1]} {TARGET.get(r['trace'], '-'):>6} {first[0][0]:>17} {'yes' if eq else 'NO':>5}")
     print()
     print("ratio = hybridkv / vLLM per round, median (range over rounds); ex-drv = the plain ratio with the "
           "driver's own cost (null lane) subtracted from both.")
@@ -583,6 +602,10 @@ def main(argv=None) -> int:
     ap.add_argument("--fuzz-seed", type=int, default=0)
     ap.add_argument("--vllm-chunked-fix", action="store_true",
                     help="experiment: patch vLLM's chunked-local hit search with the F1 retry rule")
+    ap.add_argument("--state", action="store_true",
+                    help="the state-group traces (Qwen3-Next: q0, qn timed; q0, qn, q0s, qns checked) instead")
+    ap.add_argument("--vllm-deferral-fix", action="store_true",
+                    help="experiment: patch vLLM's MambaManager to defer hits by block, not by hash")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
 
@@ -595,8 +618,10 @@ def main(argv=None) -> int:
         print("NOTE: vLLM's ChunkedLocalAttentionManager.find_longest_cache_hit patched with the F1 retry rule")
     print(f"vLLM {vllm.__version__} imported in {time.perf_counter() - t0:.1f} s; python {sys.version.split()[0]}; "
           f"hybridkv from {os.path.dirname(__import__('hybridkv').__file__)}")
-    traces = [t for t in args.traces if t in TRACES]
     rounds = args.rounds or (2 if args.quick else 3)
+    if args.state:
+        return state_main(args, rounds, t0)
+    traces = [t for t in args.traces if t in TRACES]
     rows = []
     if not args.check_only:
         lanes = {"both": LANES, "plain": LANES[:2], "sched": LANES[2:]}[args.lanes]
@@ -620,6 +645,39 @@ def main(argv=None) -> int:
     fails = []
     if args.fuzz:
         fails = fuzz(args.fuzz, args.fuzz_seed, args.verbose)
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def state_main(args, rounds: int, t0: float) -> int:
+    from _state_trace import make_state_trace
+    from _vllm_state import junction_experiment, patch_vllm_deferral_by_block, print_state_checks, run_state_check
+
+    if args.vllm_deferral_fix:
+        patch_vllm_deferral_by_block()
+        print("NOTE: vLLM's MambaManager patched to defer same-step hits by block (hybridkv's rule)")
+    if not args.check_only:
+        lanes = {"both": LANES, "plain": LANES[:2], "sched": LANES[2:]}[args.lanes]
+        rows = bench(["q0", "qn"], args.quick, rounds, lanes)
+        print_bench(rows, rounds)
+    if args.no_check:
+        return 0
+    print("\nstate semantics check ...", flush=True)
+    checks = []
+    for name in ("q0", "qn", "q0s", "qns"):
+        for mode in MODES:
+            c = run_state_check(make_state_trace(name, quick=args.quick), mode)
+            checks.append(c)
+            ok = "agree" if c["ok"] else "DISAGREE"
+            print(f"  [{name}] {mode}: {ok} ({c['seconds']:.0f} s)", flush=True)
+    print_state_checks(checks)
+    print("\nvLLM's junction (shared_prefix_boundary set by its scheduler, retention 0), each manager alone:")
+    for name in ("q0", "q0s"):
+        for key, r in junction_experiment(make_state_trace(name, quick=args.quick)).items():
+            print(f"  {name} {key:14} hit tokens {r['hit']:>8} of {r['query']:>8} "
+                  f"({r['hit'] / max(1, r['query']):.3f}); "
+                  f"admitted {r['admitted']}, finished {r['finished']}, preempted {r['preempt']}, cached blocks "
+                  f"{r['cached']}" + (f", junctions {r['junctions']}" if key.endswith("junction") else ""))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     return 0
 
