@@ -121,28 +121,35 @@ def test_the_pool_bound_is_two_state_blocks_per_group():
 
 
 # ----------------------------------------------------------------------------- aligned chunks
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=800, deadline=None)
 @given(bs=st.integers(1, 8), prompt=st.integers(1, 60), extra=st.integers(0, 5), start=st.integers(0, 64),
-       budget=st.integers(1, 40))
-def test_aligned_chunks(bs, prompt, extra, start, budget):
+       budget=st.integers(1, 40), step_budget=st.one_of(st.none(), st.integers(1, 40)), junction=st.integers(0, 16))
+def test_aligned_chunks(bs, prompt, extra, start, budget, step_budget, junction):
     num_tokens = prompt + extra
     start = min(start, num_tokens - 1)
     n = min(budget, num_tokens - start)
-    got = aligned_num_new_tokens(start, n, prompt, num_tokens, bs)
-    assert 1 <= got <= n
+    junction *= bs  # a hit length: whole blocks
+    got = aligned_num_new_tokens(start, n, prompt, num_tokens, bs, step_budget, junction)
+    assert 0 <= got <= n
     end = start + got
     prefill_end = max(prompt, num_tokens - 1)
     if start >= prefill_end:
         assert got == n
         return
+    if got == 0:  # waits: a whole step could reach a boundary, this step's tokens cannot
+        assert step_budget is not None and bs <= step_budget and (start + n) // bs * bs <= start
+        assert start + n < prefill_end
+        return
     last = (num_tokens - 1) // bs * bs
     if start < last:
         assert end <= last  # the prompt's last checkpoint is reached, not jumped over
+    if start < junction:
+        assert end <= junction  # and the shared-prefix junction
     if start % bs and end > cdiv(start, bs) * bs:
         raise AssertionError("a chunk starting inside a block ran past its end")
     if end < prefill_end and end % bs:
-        # a chunk ends off a boundary only when it cannot reach one
-        assert end // bs * bs <= start
+        # a chunk ends off a boundary only when it cannot reach one and the block is wider than a step
+        assert end // bs * bs <= start and (step_budget is None or bs > step_budget)
 
 
 # ----------------------------------------------------------------------------- specs
@@ -211,6 +218,7 @@ class StateMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), budget=st.integers(1, 12), align=st.booleans())
     def step(self, data, budget, align):
+        full_budget = budget
         kv = self.kv
         kv.new_step_starts()
         work = []  # (request, tokens computed before, new tokens)
@@ -224,7 +232,9 @@ class StateMachine(RuleBasedStateMachine):
                 continue
             num_new = min(budget, req.num_tokens - n)
             if align:
-                num_new = kv.align_num_new_tokens(req, n, num_new)
+                num_new = kv.align_num_new_tokens(req, n, num_new, full_budget)
+                if num_new == 0:
+                    continue
             if kv.allocate_slots(req, num_new) is None:
                 self._free(rid, preempt=True)
                 continue
@@ -237,7 +247,9 @@ class StateMachine(RuleBasedStateMachine):
             blocks, hit = kv.get_computed_blocks(req)
             num_new = min(budget, req.num_tokens - hit)
             if align:
-                num_new = kv.align_num_new_tokens(req, hit, num_new)
+                num_new = kv.align_num_new_tokens(req, hit, num_new, full_budget)
+                if num_new == 0:
+                    continue
             if kv.allocate_slots(req, num_new, hit, blocks) is None:
                 assert not kv.has_request(rid)
                 continue
@@ -326,3 +338,32 @@ class EveryOtherBlockMachine(StateMachine):
 
 TestEveryOtherBlock = EveryOtherBlockMachine.TestCase
 TestEveryOtherBlock.settings = SETTINGS
+
+
+def test_a_shared_prefix_junction_gets_a_checkpoint():
+    """Retention 0, block 4, a shared 8-token prefix S: A = S + 5 caches no checkpoint at 8
+    (its prompt's last is at 12). B = S + 5 (another tail) finds full attention hitting 8
+    tokens but no state there: its junction is 8, its prefill stops there and caches the
+    state, so C = S + 5 hits 8 (vLLM gives the same)."""
+    kv = manager(full(4), state(4), retention=0)
+    shared = list(range(8))
+
+    def admit(rid, tail, budget=64):
+        req = kv.make_request(rid, shared + tail)
+        kv.new_step_starts()
+        blocks, hit = kv.get_computed_blocks(req)
+        n = kv.align_num_new_tokens(req, hit, req.num_tokens - hit, budget)
+        assert kv.allocate_slots(req, n, hit, blocks) is not None
+        req.num_computed_tokens = hit + n
+        while req.num_computed_tokens < req.num_tokens:
+            step(kv, req, req.num_tokens - req.num_computed_tokens)
+        kv.free(req)
+        kv.check_invariants()
+        return req, hit, n
+
+    a, hit_a, first_a = admit("a", [20, 21, 22, 23, 24])
+    assert hit_a == 0 and a.shared_prefix_boundary == 0 and first_a == 12  # stops at its last checkpoint
+    b, hit_b, first_b = admit("b", [30, 31, 32, 33, 34])
+    assert hit_b == 0 and b.shared_prefix_boundary == 8 and first_b == 8  # stops at the junction
+    c, hit_c, _ = admit("c", [40, 41, 42, 43, 44])
+    assert hit_c == 8 and c.shared_prefix_boundary == 0

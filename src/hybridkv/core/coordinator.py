@@ -104,17 +104,28 @@ class KVCacheCoordinator:
 
     def find_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[dict, int]:
         """The hit as {manager: its first group's blocks (stripe leads, nulls)} and its length."""
+        return self.find_hit_and_junction(block_hashes, max_length)[:2]
+
+    def find_hit_and_junction(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[dict, int, int]:
+        """:meth:`find_hit` and the *junction*: the longest hit one manager found on the way
+        (the first asked: full attention when there is one), if longer than the hit; else 0.
+        A state group lacking the checkpoint there is what cut the hit: caching one at the
+        junction lets the next request sharing that prefix hit all of it (vLLM's
+        ``shared_prefix_boundary``)."""
         if not self.enable_caching or max_length < self.block_size:
-            return {}, 0
-        found, length = fixed_point_hit(self.find_order, block_hashes, max_length)
+            return {}, 0, 0
+        seen: list[int] = []
+        found, length = fixed_point_hit(self.find_order, block_hashes, max_length, seen=seen)
+        junction = max(seen, default=0)
+        junction = junction if junction > length else 0
         if self.use_eagle and length > 0:
             # EAGLE recomputes at least the last hit block; the shorter hit must
             # itself be valid (chunked C 2, block 1: 4 null blocks → 2, not 3).
             found, length = fixed_point_hit(self.find_order, block_hashes, length - self.block_size)
         if length == 0:
-            return {}, 0
+            return {}, 0, junction
         nblocks = length // self.block_size
-        return {m: leads[:nblocks] if len(leads) > nblocks else leads for m, (leads, _) in found.items()}, length
+        return {m: leads[:nblocks] if len(leads) > nblocks else leads for m, (leads, _) in found.items()}, length, junction
 
     def expand(self, hit: dict) -> PerGroup:
         """Per-group block lists of a hit from :meth:`find_hit`."""
@@ -306,6 +317,7 @@ def fixed_point_hit(
     block_hashes: Sequence[BlockHash],
     max_length: int,
     hashes_of: dict | None = None,
+    seen: list[int] | None = None,
 ) -> tuple[dict, int]:
     """The longest hit of at most ``max_length`` tokens valid for every manager:
     ({manager: (its longest_hit blocks, its answer)}, length). The one implementation
@@ -319,6 +331,7 @@ def fixed_point_hit(
     differ (default: ``block_hashes`` for all, one block size); then every manager is
     asked again whenever L drops below its answer, so L ends whole blocks of each
     (full block 4 → 4, full block 2 → 2: the block-4 manager is asked at 2 → 0).
+    ``seen``: a list the answers are appended to (the junction is its maximum).
 
     Example (block 1, full + chunked C 2, max_length 5, cached blocks 0-2 only):
     full → 3; chunked(3) → chunk of token 3 starts at 2, block 2 hits → 3. L = 3.
@@ -334,6 +347,8 @@ def fixed_point_hit(
                 continue
             blocks, hit = m.longest_hit(block_hashes if hashes_of is None else hashes_of[m], length)
             found[m] = (blocks, hit)
+            if seen is not None:
+                seen.append(hit)
             if hit < length:
                 length = hit
                 changed = True

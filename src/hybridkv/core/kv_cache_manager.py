@@ -139,7 +139,11 @@ class KVCacheManager:
         self._check_request(request)
         if not self.enable_caching:
             return self._empty, 0
-        hit, num_hit = self.coordinator.find_hit(request.block_hashes, request.num_tokens - 1)
+        if self.coordinator.state_managers:
+            hit, num_hit, request.shared_prefix_boundary = self.coordinator.find_hit_and_junction(
+                request.block_hashes, request.num_tokens - 1)
+        else:
+            hit, num_hit = self.coordinator.find_hit(request.block_hashes, request.num_tokens - 1)
         self.stats.requests += 1
         self.stats.queries += request.num_tokens
         self.stats.hits += num_hit
@@ -420,15 +424,18 @@ class KVCacheManager:
         are written by now, so new requests may continue from them."""
         self.coordinator.new_step_starts()
 
-    def align_num_new_tokens(self, request: Request, num_computed: int, num_new: int) -> int:
+    def align_num_new_tokens(self, request: Request, num_computed: int, num_new: int,
+                             max_num_batched_tokens: int | None = None) -> int:
         """How many of ``num_new`` tokens a prefill step should compute from ``num_computed``
-        so that state groups can cache their checkpoints (chunks end on block boundaries:
+        so that state groups can cache their checkpoints (chunks end on block boundaries,
+        the prompt's last checkpoint and the request's shared-prefix junction:
         :func:`~hybridkv.core.managers.state.aligned_num_new_tokens`); ``num_new`` without
-        state groups or prefix caching. A scheduler asks it for every chunk."""
+        state groups or prefix caching. A scheduler asks it for every chunk, with its
+        step budget; 0 means: not this step (the request waits, as in vLLM)."""
         if not self.coordinator.state_managers or not self.enable_caching:
             return num_new
         return aligned_num_new_tokens(num_computed, num_new, request.num_prompt_tokens, request.num_tokens,
-                                      self.block_size)
+                                      self.block_size, max_num_batched_tokens, request.shared_prefix_boundary)
 
     def refresh_prefix_hit(self, request: Request) -> int:
         """Mark the cached prefix ``request`` would hit now as just used: its free blocks move

@@ -142,6 +142,7 @@ class Request:
         "lora_name",
         "cache_salt",
         "mm_features",
+        "shared_prefix_boundary",
         "_hasher",
     )
 
@@ -184,6 +185,9 @@ class Request:
         self.lora_name = lora_name
         self.cache_salt = cache_salt
         self.mm_features = tuple(sorted(features, key=lambda f: f.offset))
+        #: where a shared prefix ends that some groups hold further than the hit (a state
+        #: group lacks the checkpoint there): state groups cache a checkpoint at it (0: none)
+        self.shared_prefix_boundary = 0
         self._hasher = hasher
         if hasher is not None:
             hasher.extend(self, packed)

@@ -151,7 +151,7 @@ class Scheduler:
             req = seq.request
             computed = req.num_computed_tokens
             num_new = min(req.num_tokens - computed, budget, max_len - computed - 1)
-            num_new = kv.align_num_new_tokens(req, computed, num_new)
+            num_new = kv.align_num_new_tokens(req, computed, num_new, self.config.max_num_batched_tokens)
             if num_new <= 0:
                 i += 1
                 continue
@@ -175,7 +175,10 @@ class Scheduler:
                 seq = self.waiting[0]
                 req = seq.request
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
-                num_new = kv.align_num_new_tokens(req, num_hit, min(req.num_tokens - num_hit, budget))
+                num_new = kv.align_num_new_tokens(req, num_hit, min(req.num_tokens - num_hit, budget),
+                                                  self.config.max_num_batched_tokens)
+                if num_new == 0:  # its chunk cannot reach a state checkpoint this step: it waits
+                    break
                 fits = not full_prompt or self.blocks_to_admit(req, hit_blocks, num_hit) <= kv.num_free_blocks
                 if not fits or kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
                     if kv.pins.unpin_last(keep=req.request_id):  # the queue's head goes before later pins

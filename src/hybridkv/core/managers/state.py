@@ -20,8 +20,10 @@ Caching: a block holds a checkpoint only when a step ends exactly on its boundar
 
 * ``None``: every checkpoint (dense);
 * ``0`` (the default, vLLM's): only the prompt's last one, at ``(P - 1) // B * B`` (the
-  scheduler splits a prefill there: :func:`aligned_num_new_tokens`);
-* ``k`` (a multiple of ``B``): every ``k`` tokens, and the prompt's last one.
+  scheduler splits a prefill there: :func:`aligned_num_new_tokens`), and the request's
+  *junction* (``Request.shared_prefix_boundary``: where its hit found full attention
+  going further than a state checkpoint, e.g. the end of a shared system prompt);
+* ``k`` (a multiple of ``B``): every ``k`` tokens, and the prompt's last one and the junction.
 
 Hits are *not downward closed*: a state can be restored only at a position whose
 checkpoint is cached, whatever is cached before it. The search goes right to left
@@ -69,16 +71,20 @@ def check_retention_interval(interval: object, block_size: int) -> None:
 
 
 def aligned_num_new_tokens(num_computed: int, num_new: int, num_prompt_tokens: int, num_tokens: int,
-                           block_size: int) -> int:
+                           block_size: int, max_num_batched_tokens: int | None = None, junction: int = 0) -> int:
     """How many of ``num_new`` prefill tokens to compute now so that a state group can cache
-    its checkpoints: the chunk ends on a block boundary (unless it is the prefill's last,
-    or the block is longer than the chunk), never past the prompt's last checkpoint
-    ``(num_tokens - 1) // B * B`` before it reaches it, and a chunk starting inside a block
-    stops at that block's end. Decodes (nothing left to prefill) are untouched.
+    its checkpoints (vLLM's aligned split): a chunk that is not the prefill's last ends on
+    a block boundary, rounded down even to 0 (the request waits for a step with more
+    budget) unless the block is longer than the step budget ``max_num_batched_tokens``
+    (None: only when a boundary is reachable; then sub-block chunks run and re-align at
+    the next boundary); it never runs past the prompt's last checkpoint
+    ``(num_tokens - 1) // B * B`` or the shared-prefix ``junction`` before reaching them,
+    and a chunk starting inside a block stops at that block's end. Decodes (nothing left
+    to prefill) are untouched.
 
-    Block 4, a 14-token prompt, budget 8: 0 -> 8, then 8 -> 12 (not 14: 12 is the last
-    checkpoint), then 12 -> 14. Budget 6 from 0: 0 -> 4 (6 rounds down to the boundary).
-    Block 16, budget 8 from 0: 0 -> 8 (no boundary reachable), then 8 -> 16.
+    Block 4, a 14-token prompt, 8 tokens a step: 0 -> 8, then 8 -> 12 (not 14: 12 is the
+    last checkpoint), then 12 -> 14. 6 tokens from 0: 0 -> 4. 3 tokens left in a step of 8
+    from 0: 0 (wait). Block 16, a step budget of 8, from 0: 0 -> 8, then 8 -> 16.
     """
     start = num_computed
     prefill_end = max(num_prompt_tokens, num_tokens - 1)
@@ -86,13 +92,16 @@ def aligned_num_new_tokens(num_computed: int, num_new: int, num_prompt_tokens: i
         return num_new
     bs = block_size
     end = start + num_new
-    if end < prefill_end and end // bs * bs > start:
-        end = end // bs * bs
+    if end < prefill_end:
+        aligned = end // bs * bs
+        if aligned > start or (max_num_batched_tokens is not None and bs <= max_num_batched_tokens):
+            end = aligned
     last = (num_tokens - 1) // bs * bs
-    for stop in (cdiv(start, bs) * bs, last):
-        if start < stop < end:
-            end = stop
-    return end - start
+    stops = [cdiv(start, bs) * bs if start % bs else 0, last]
+    if start < junction < end:
+        stops.append(start + (junction - start) // bs * bs)
+    end = min((s for s in stops if start < s < end), default=end)
+    return max(end - start, 0)
 
 
 class StateManager(AttentionManager):
@@ -134,6 +143,8 @@ class StateManager(AttentionManager):
         end = (index + 1) * self.block_size
         if end == (request.num_prompt_tokens - 1) // self.block_size * self.block_size:
             return True
+        if end == request.shared_prefix_boundary:
+            return True
         return interval > 0 and end % interval == 0
 
     def new_step(self) -> None:
@@ -157,7 +168,9 @@ class StateManager(AttentionManager):
         return ((need > len(new_computed_blocks)) + (last.ref_cnt == 0)) * self.width
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        """Null positions up to the step's last, which gets a new block; [] when it exists."""
+        """Null positions up to the step's last, which gets a new block; the positions added
+        (nulls, then the block; as vLLM, so an append-only block table stays right), []
+        when the step's position exists."""
         st = self.requests.get(request_id)
         if st is None:
             st = self.requests[request_id] = RequestBlocks(self.num_groups)
@@ -166,10 +179,10 @@ class StateManager(AttentionManager):
             return []
         new = self.pool.get_new_stripes(1, self.width) if self.width > 1 else self.pool.get_new_blocks(1)
         if n > 1:
-            st.blocks += [self.null_block] * (n - 1)
+            new = [self.null_block] * (n - 1) + new
             st.ids[0] += [0] * (n - 1)
         st.blocks += new
-        st.ids[0].append(new[0].block_id)
+        st.ids[0].append(new[-1].block_id)
         return new
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
