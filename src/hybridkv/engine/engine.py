@@ -49,7 +49,7 @@ from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheManagerCon
 from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation, torch_dtype
 from hybridkv.engine.layout import EngineLayout
-from hybridkv.engine.kv_summary import KVSummary, UsageTracker, kv_bytes_per_request
+from hybridkv.engine.kv_summary import KVSummary, UsageTracker, kv_bytes_per_request, state_bytes_per_request
 from hybridkv.engine.model_runner import PagedModelRunner
 from hybridkv.engine.models import load_model
 from hybridkv.engine.models.base import CausalLM
@@ -339,7 +339,8 @@ class LLMEngine:
     def kv_summary(self, num_tokens: int | None = None) -> KVSummary:
         """Blocks in use per group (now and peak), prefix-hit tokens and preemptions since the
         engine started, and the KV bytes of one request of ``num_tokens`` (default
-        ``max_model_len``) in this layout and in the all-full one."""
+        ``max_model_len``) in this layout and in the all-full one (state blocks included,
+        and also given apart)."""
         n = self.max_model_len if num_tokens is None else num_tokens
         if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= self.max_model_len:
             raise InvalidArgumentError(f"num_tokens must be an int in [1, {self.max_model_len}], got {n!r}")
@@ -354,6 +355,8 @@ class LLMEngine:
             num_tokens=n,
             kv_bytes_per_request=kv_bytes_per_request(self.grouping, n),
             full_kv_bytes_per_request=kv_bytes_per_request(self.full_grouping, n),
+            state_bytes_per_request=state_bytes_per_request(self.grouping, n),
+            full_state_bytes_per_request=state_bytes_per_request(self.full_grouping, n),
         )
 
     @property
