@@ -85,21 +85,22 @@ def test_refresh_prefix_hit_changes_only_the_lru_order_and_protects_the_hit(seed
             assert set(tail) == free_hit
 
 
-def test_scheduler_refresh_keeps_a_queued_requests_prefix_through_the_queue_ahead():
+@pytest.mark.parametrize("policy, want", [("refresh", 8), ("pin", 8), ("none", 0)])
+def test_scheduler_keeps_a_queued_requests_prefix_through_the_queue_ahead(policy, want):
     """Pool of 14 blocks (block 4): a cached 8-token prefix at the LRU head, then a queued
     request wanting it behind a running one that needs all other free blocks and one more.
-    With refresh the running request evicts the other cached blocks; without, the prefix."""
+    With refresh (or a pin) the running request evicts the other cached blocks; without, the prefix."""
 
-    def scenario(refresh: bool) -> int:
+    def scenario(policy: str) -> int:
         kv = manager(full(4), num_blocks=14)
         sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, max_model_len=64,
-                                              refresh_prefix_on_arrival=refresh))
+                                              queued_prefix=policy))
         run(kv, "warm", list(range(9)))          # 2 cached blocks (prefix 0..7) at the LRU head
         run(kv, "filler", list(range(100, 141)))  # 10 cached blocks after them
         two = SamplingParams(max_tokens=2)
         sched.add_request("big", list(range(200, 241)), two)  # 41 + 2 tokens: 11 blocks
         sched.add_request("want", list(range(9)), two)        # queued behind it, hit 8 if kept
-        assert kv.pool.num_free_blocks == 13
+        assert kv.pool.num_free_blocks == (11 if policy == "pin" else 13)  # a pin holds the 2 blocks
         seen = {}
         for _ in range(60):
             out = sched.schedule()
@@ -112,5 +113,94 @@ def test_scheduler_refresh_keeps_a_queued_requests_prefix_through_the_queue_ahea
                 break
         return seen["want"]
 
-    assert scenario(refresh=True) == 8
-    assert scenario(refresh=False) == 0
+    assert scenario(policy) == want
+
+
+# ----------------------------------------------------------------------------- pins
+def test_a_pinned_prefix_survives_allocations_that_would_evict_it():
+    kv = manager(full(4), sliding(5), num_blocks=24)
+    run(kv, "warm", list(range(13)))  # 3 blocks in each group cached, free
+    req = kv.make_request("want", list(range(13)) + [99])
+    free = kv.num_free_blocks
+    assert kv.pins.pin(req) == 12 and kv.pins.pin(req) == 0  # pinned once
+    held = free - kv.num_free_blocks
+    assert held >= 3  # the full group's 3 blocks and the sliding group's window
+    kv.check_invariants()
+    left = kv.num_free_blocks
+    hog = kv.make_request("hog", list(range(500, 500 + 4 * (left // 2))))
+    assert kv.allocate_slots(hog, hog.num_tokens) is not None  # takes every other free block (2 groups)
+    assert kv.num_free_blocks == left % 2
+    kv.check_invariants()
+    assert kv.peek_prefix_hit(req.all_token_ids) == 12  # still cached
+    assert kv.pins.unpin("want") and not kv.pins.unpin("want")
+    assert kv.num_free_blocks == held + left % 2
+    kv.free(hog)
+    blocks, hit = kv.get_computed_blocks(req)
+    assert hit == 12 and kv.allocate_slots(req, req.num_tokens - hit, hit, blocks) is not None
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_pins_change_only_which_blocks_are_free(seed):
+    """Random pins and unpins over random cache contents: tables, hashes and hits are
+    unchanged, the free count drops by the pinned blocks that were free, invariants hold."""
+    rng = random.Random(seed)
+    specs = rng.choice([(full(4),), (full(4), sliding(6)), (full(4), chunked(8), chunked(8)), (sliding(5), full(4))])
+    kv = manager(*specs, num_blocks=rng.randrange(30, 60))
+    prompts = [[rng.randrange(40) for _ in range(rng.randrange(6, 26))] for _ in range(5)]
+    for i in range(8):
+        run(kv, f"r{i}", rng.choice(prompts)[: rng.randrange(2, 26)])
+    probes = [kv.make_request(f"p{i}", rng.choice(prompts) + [rng.randrange(40)]) for i in range(6)]
+    total = kv.num_free_blocks
+    for _ in range(30):
+        p = rng.choice(probes)
+        before = {q.request_id: kv.peek_prefix_hit(q.all_token_ids) for q in probes}
+        if rng.random() < 0.6:
+            kv.pins.pin(p)
+        elif rng.random() < 0.5:
+            kv.pins.unpin(p.request_id)
+        else:
+            kv.pins.unpin_last(keep=p.request_id)
+        kv.check_invariants()
+        assert {q.request_id: kv.peek_prefix_hit(q.all_token_ids) for q in probes} == before
+        pinned = set(kv.pins.ref_counts())
+        assert kv.num_free_blocks == total - len(pinned)
+    kv.pins.clear()
+    assert kv.num_free_blocks == total and len(kv.pins) == 0
+    kv.check_invariants()
+
+
+def test_a_running_request_takes_a_pinned_block_before_anyone_is_preempted():
+    """A running request that needs more blocks than are free gets them from the latest pin
+    (released first), not by preempting itself; the queued request then just misses."""
+    kv = manager(full(4), num_blocks=12)
+    sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, max_model_len=64,
+                                          queued_prefix="pin"))
+    run(kv, "warm", list(range(9)))                                      # 2 cached blocks
+    sched.add_request("big", list(range(200, 233)), SamplingParams(max_tokens=8))  # 33 + 8 tokens: 9, then 11 blocks
+    sched.add_request("want", list(range(9)), SamplingParams(max_tokens=2))         # pins the 2 blocks
+    assert len(kv.pins) == 1 and kv.num_free_blocks == 9
+    preempted = 0
+    released_while_waiting = False
+    for _ in range(60):
+        out = sched.schedule()
+        preempted += len(out.preempted_request_ids)
+        released_while_waiting |= not kv.pins and any(s.request_id == "want" for s in sched.waiting)
+        sched.update_from_output(out, {sr.request_id: 1 for sr in out.scheduled if sr.sample})
+        sched.check_invariants()
+        if not sched.has_unfinished_requests():
+            break
+    assert not sched.has_unfinished_requests() and preempted == 0 and len(kv.pins) == 0 and released_while_waiting
+    assert kv.num_free_blocks == 11
+
+
+def test_an_aborted_queued_request_releases_its_pin():
+    kv = manager(full(4), num_blocks=16)
+    sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64,
+                                          queued_prefix="pin"))
+    run(kv, "warm", list(range(9)))
+    sched.add_request("want", list(range(9)), SamplingParams(max_tokens=2))
+    assert len(kv.pins) == 1 and kv.num_free_blocks == 13
+    sched.abort_request("want")
+    assert len(kv.pins) == 0 and kv.num_free_blocks == 15
+    sched.check_invariants()

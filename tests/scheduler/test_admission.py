@@ -18,17 +18,18 @@ from hybridkv.scheduler import FakeRunner, FinishReason, SamplingParams, Schedul
 from hybridkv.scheduler.simulator import simulate
 from hybridkv.scheduler.workloads import TraceRequest
 
-from tests.core.helpers import chunked, full, sliding
+from tests.core.helpers import chunked, full, sliding, state
 from tests.scheduler.test_scheduler import run
 
 
-def make(*specs, num_blocks=64, budget=16, max_seqs=8, max_len=128, admission="full_prompt", caching=True):
+def make(*specs, num_blocks=64, budget=16, max_seqs=8, max_len=128, admission="full_prompt", caching=True,
+         queued_prefix="none"):
     kv = KVCacheManager(
         KVCacheConfig(num_blocks, tuple(KVCacheGroup(s) for s in specs)),
         CacheManagerConfig(max_model_len=max_len, enable_caching=caching),
     )
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len,
-                             admission=admission)
+                             admission=admission, queued_prefix=queued_prefix)
     return Scheduler(kv, config)
 
 
@@ -160,6 +161,8 @@ LAYOUTS = [
     lambda bs, w, c: (full(bs), sliding(w, bs)),
     lambda bs, w, c: (full(bs), chunked(c, bs), chunked(c, bs), chunked(c, bs)),
     lambda bs, w, c: (full(bs), sliding(w, bs), chunked(c, bs), chunked(c, bs)),
+    lambda bs, w, c: (state(bs), full(bs), state(bs), state(bs)),  # Qwen3-Next-shaped
+    lambda bs, w, c: (sliding(w, bs), state(bs)),
 ]
 
 
@@ -174,10 +177,11 @@ LAYOUTS = [
     extra=st.integers(0, 12),
     admission=st.sampled_from(["full_prompt", "first_chunk"]),
     caching=st.booleans(),
+    queued_prefix=st.sampled_from(["none", "refresh", "pin"]),
     seed=st.integers(0, 10**6),
 )
 def test_random_tight_pools_finish_exactly_and_hold_invariants(
-    layout, bs, window, chunk, budget, max_seqs, extra, admission, caching, seed
+    layout, bs, window, chunk, budget, max_seqs, extra, admission, caching, queued_prefix, seed
 ):
     rng = random.Random(seed)
     specs = LAYOUTS[layout](bs, window, chunk)
@@ -192,7 +196,7 @@ def test_random_tight_pools_finish_exactly_and_hold_invariants(
     # tight: the biggest request just fits, plus a few blocks
     num_blocks = 1 + max(probe.peak_blocks(min(len(p) + m, max_len)) for _, _, p, m in reqs) + extra
     s = make(*specs, num_blocks=num_blocks, budget=budget, max_seqs=max_seqs, max_len=max_len,
-             admission=admission, caching=caching)
+             admission=admission, caching=caching, queued_prefix=queued_prefix)
     usable = num_blocks - 1
     runner = FakeRunner()
     pending = sorted(reqs)
@@ -206,6 +210,7 @@ def test_random_tight_pools_finish_exactly_and_hold_invariants(
         assert out.num_scheduled_tokens <= budget and s.num_running <= max_seqs
         assert all(r.num_computed_tokens + len(r.token_ids) < max_len for r in out.scheduled)
         held = {i for seq in s.running for ids in s.kv.get_block_ids(seq.request_id) for i in ids if i}
+        held |= set(s.kv.pins.ref_counts())  # and queued requests' pinned prefix hits
         assert len(held) == usable - s.kv.num_free_blocks <= usable  # running requests hold every used block
         done.update((f.request_id, f) for f in fin)
         assert out.step < 2000, "did not finish"
@@ -213,7 +218,7 @@ def test_random_tight_pools_finish_exactly_and_hold_invariants(
     for _, rid, prompt, max_tokens in reqs:
         n = min(max_tokens, max_len - len(prompt))
         assert done[rid].output_token_ids == [fake_token(rid, k) for k in range(n)]
-    assert s.kv.num_free_blocks == usable
+    assert s.kv.num_free_blocks == usable and not s.kv.pins
 
 
 def test_a_request_that_can_never_be_admitted_is_refused_up_front():

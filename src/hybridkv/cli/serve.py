@@ -57,9 +57,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
                    help="ZMQ endpoint answering replay requests for missed events (default: none)")
     p.add_argument("--kv-events-topic", default="", metavar="TOPIC", help="topic of the event messages (default empty)")
-    p.add_argument("--no-prefix-refresh", action="store_true",
-                   help="keep vLLM's eviction order: a queued request's cached prefix is not marked as used "
-                        "when it arrives (default: it is, so the requests ahead of it evict other blocks first)")
+    p.add_argument("--queued-prefix", choices=("pin", "refresh", "none"), default="pin",
+                   help="keep the cached prefix a queued request will hit until it runs: pin (hold it; "
+                        "released first when the pool runs short), refresh (mark it used on arrival), "
+                        "none (vLLM's behaviour) (default pin)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
                    help="server log level (default warning)")
     add_engine_options(p, max_num_seqs_default="64")
@@ -114,7 +115,7 @@ def _serve(args: argparse.Namespace, config, source, sock: socket.socket) -> int
     from hybridkv.server.async_llm import AsyncLLM
     from hybridkv.server.metrics import ServerMetrics
 
-    engine_cfg = dataclasses.replace(engine_config(args, 64), refresh_prefix_on_arrival=not args.no_prefix_refresh)
+    engine_cfg = dataclasses.replace(engine_config(args, 64), queued_prefix=args.queued_prefix)
     if config.kv_events is not None:
         engine_cfg = dataclasses.replace(engine_cfg, enable_kv_events=True)
     llm = LLM(source, engine_cfg)

@@ -269,10 +269,11 @@ class KVCacheCoordinator:
     def num_requests(self) -> int:
         return len(self.managers[0].requests)
 
-    def check_invariants(self) -> None:
-        """Pool consistency plus: every table entry is counted in its block's ref_cnt,
-        the managers know the same requests, and no block serves two groups."""
-        ref_counts: dict[int, int] = {}
+    def check_invariants(self, extra_refs: dict[int, int] | None = None) -> None:
+        """Pool consistency plus: every table entry is counted in its block's ref_cnt (with
+        ``extra_refs``, references held outside the tables: pins), the managers know the
+        same requests, and no block serves two groups."""
+        ref_counts: dict[int, int] = dict(extra_refs or {})
         known = None
         for m in self.managers:
             ids = set(m.requests)

@@ -33,6 +33,7 @@ from hybridkv.core.kv_cache_blocks import KVCacheBlocks
 from hybridkv.core.hashing import MultiModalFeature
 from hybridkv.core.managers.base import NEVER
 from hybridkv.core.managers.state import aligned_num_new_tokens
+from hybridkv.core.prefix_pins import PrefixPins
 from hybridkv.core.request import BlockHasher, Request
 from hybridkv.errors import (
     InvalidArgumentError,
@@ -85,6 +86,8 @@ class KVCacheManager:
             retention_interval=config.prefix_cache_retention_interval,
         )
         self.pool = self.coordinator.pool
+        #: queued requests' pinned prefix hits (a scheduler's ``queued_prefix="pin"``)
+        self.pins = PrefixPins(self.coordinator)
         self.hasher = BlockHasher(self.block_size, config.hash_algo) if config.enable_caching else None
         self.stats = PrefixCacheStats()
         self._live: dict[str, Request] = {}
@@ -465,7 +468,9 @@ class KVCacheManager:
                 raise InvariantViolation(
                     f"manager of groups {m.group_ids} knows {sorted(m.requests)}, live {sorted(live)}"
                 )
-        coord.check_invariants()
+        if any(rid in self.pins for rid in live):
+            raise InvariantViolation("a request holding blocks is still pinned")
+        coord.check_invariants(self.pins.ref_counts())
         # content: a cached block at index i of a request's table holds that request's block i
         # (a stripe's hash is on its lead, in the manager's first group's table)
         for rid, request in self._live.items():

@@ -84,7 +84,7 @@ class EngineConfig:
     debug_checks: bool = False  # check every KV write for null-block slots
     hybrid: bool = True  # False: every layer's KV kept as full attention (the all-full layout)
     enable_kv_events: bool = False  # record KV cache events (drained by engine.kv.take_events())
-    refresh_prefix_on_arrival: bool = False  # SchedulerConfig.refresh_prefix_on_arrival (the server's default: on)
+    queued_prefix: str = "none"  # SchedulerConfig.queued_prefix: "none" (vLLM), "refresh" or "pin" (the server's)
     #: state checkpoints cached (CacheManagerConfig's): None every block, 0 the prompt's last, k every k tokens
     prefix_cache_retention_interval: int | None = 0
 
@@ -191,7 +191,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 admission=config.admission,
-                refresh_prefix_on_arrival=config.refresh_prefix_on_arrival,
+                queued_prefix=config.queued_prefix,
             ),
         )
         attention = layout.attention_groups

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from hybridkv.errors import InvalidConfigError
 
-__all__ = ["SchedulerConfig", "ADMISSION_POLICIES"]
+__all__ = ["SchedulerConfig", "ADMISSION_POLICIES", "QUEUED_PREFIX_POLICIES"]
 
 #: ``admission`` values: what must fit the pool before a waiting request is admitted
 ADMISSION_POLICIES = ("full_prompt", "first_chunk")
+#: ``queued_prefix`` values: how a queued request's cached prefix is kept until it runs
+QUEUED_PREFIX_POLICIES = ("none", "refresh", "pin")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,25 +38,31 @@ class SchedulerConfig:
         512-token first chunk.
       - ``"first_chunk"`` (vLLM's ``scheduler_reserve_full_isl=False``): as soon as its
         first chunk fits. Admits more, then preempts more when later chunks don't fit.
-    * ``refresh_prefix_on_arrival``: a queued request's cached prefix is marked as just
-      used (:meth:`KVCacheManager.refresh_prefix_hit`), so the requests that run before it
-      evict other cached blocks first. Off by default (vLLM's order); the server turns it
-      on: a router sends a request to the replica holding its prefix, which must then last
-      until the request is scheduled.
+    * ``queued_prefix``: what happens to the cached prefix a request will hit while it
+      waits in the queue (a router sent it here because of that prefix; the requests
+      queued before it allocate meanwhile):
+
+      - ``"none"`` (default, vLLM's): nothing, it may be evicted;
+      - ``"refresh"``: marked as just used on arrival
+        (:meth:`~hybridkv.core.kv_cache_manager.KVCacheManager.refresh_prefix_hit`), so
+        other cached blocks are evicted first;
+      - ``"pin"`` (the server's): held on arrival (:mod:`hybridkv.core.prefix_pins`) until
+        admission; when the pool runs short the most recent pins are released first,
+        before any running request is preempted.
     """
 
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 256
     max_model_len: int = 8192
     admission: str = "full_prompt"
-    refresh_prefix_on_arrival: bool = False
+    queued_prefix: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidConfigError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(self.refresh_prefix_on_arrival, bool):
-            raise InvalidConfigError(f"refresh_prefix_on_arrival must be a bool, got {self.refresh_prefix_on_arrival!r}")
+        if self.queued_prefix not in QUEUED_PREFIX_POLICIES:
+            raise InvalidConfigError(f"queued_prefix must be one of {QUEUED_PREFIX_POLICIES}, got {self.queued_prefix!r}")
         if self.admission not in ADMISSION_POLICIES:
             raise InvalidConfigError(f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}")

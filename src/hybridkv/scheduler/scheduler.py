@@ -98,8 +98,10 @@ class Scheduler:
         seq = Sequence(request, sampling, arrival_step=self.step_count)
         self.sequences[request_id] = seq
         self.waiting.append(seq)
-        if self.config.refresh_prefix_on_arrival:
+        if self.config.queued_prefix == "refresh":
             self.kv.refresh_prefix_hit(request)
+        elif self.config.queued_prefix == "pin":
+            self.kv.pins.pin(request)
         return seq
 
     def peak_blocks(self, num_tokens: int) -> int:
@@ -119,6 +121,7 @@ class Scheduler:
             self.kv.free(seq.request)
         else:
             self.waiting.remove(seq)
+            self.kv.pins.unpin(request_id)
         self._finish(seq, FinishReason.ABORTED)
 
     @property
@@ -153,6 +156,8 @@ class Scheduler:
                 i += 1
                 continue
             while kv.allocate_slots(req, num_new) is None:
+                if kv.pins.unpin_last():  # queued requests' pins go before running requests
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -173,6 +178,8 @@ class Scheduler:
                 num_new = kv.align_num_new_tokens(req, num_hit, min(req.num_tokens - num_hit, budget))
                 fits = not full_prompt or self.blocks_to_admit(req, hit_blocks, num_hit) <= kv.num_free_blocks
                 if not fits or kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
+                    if kv.pins.unpin_last(keep=req.request_id):  # the queue's head goes before later pins
+                        continue
                     if not self.running:
                         raise PoolTooSmallError(
                             f"request {req.request_id!r} does not fit an otherwise empty pool of "
@@ -180,6 +187,7 @@ class Scheduler:
                         )
                     break
                 self.waiting.popleft()
+                kv.pins.unpin(req.request_id)  # it holds its hit itself now
                 self.running.append(seq)
                 seq.status = SequenceStatus.RUNNING
                 seq.admitted_step = self.step_count
@@ -295,6 +303,9 @@ class Scheduler:
         for seq in self.running:
             if seq.status is not SequenceStatus.RUNNING or not self.kv.has_request(seq.request_id):
                 raise InvariantViolation(f"running {seq} holds no blocks")
+        waiting = set(waiting_ids)
+        if any(rid not in waiting for rid in self.kv.pins._pins):
+            raise InvariantViolation("a pinned prefix hit belongs to no waiting request")
         for seq in self.waiting:
             if seq.status not in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED) or self.kv.has_request(seq.request_id):
                 raise InvariantViolation(f"waiting {seq} holds blocks")
