@@ -59,6 +59,8 @@ SCENARIOS = {
     "small_pool": dict(num_blocks=20, max_num_batched_tokens=32),
     # every linear layer in one state group (one StateMetadata), the full group padded
     "group_size_3": dict(group_size=3),
+    # the server's default: queued requests pin the prefix they will hit (two run at once)
+    "queued_pin": dict(queued_prefix="pin", max_num_seqs=2),
 }
 
 
