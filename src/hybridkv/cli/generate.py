@@ -19,7 +19,8 @@ have finished: the prompts' texts never interleave, and the order is the order g
 (``--json``: one object per prompt, the same order). One summary line on stderr ends
 the run: tokens, time to first token, tokens/s, KV blocks per group at peak, prefix-hit
 tokens, preemptions and the KV bytes one request of ``max_model_len`` needs in this
-layout vs every layer as full attention.
+layout vs every layer as full attention (with linear-attention layers, "KV+state": their
+state blocks counted too, and given apart; the all-full layout keeps them as states).
 
 Everything that can be checked before the model loads is: the options, the prompts
 file, the model (an unknown name prints the pip line; a truncated GGUF is one line),
@@ -42,10 +43,7 @@ from hybridkv.cli.model_dir import resolve_model_source
 from hybridkv.cli.options import SEED_MAX, finite_float, int_range, memory, tokens
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, PoolTooSmallError
-from hybridkv.planner.architectures import language_model_config, model_layers
-from hybridkv.planner.grouping import group_layers
-from hybridkv.planner.hf_defaults import DEFAULT_MAX_POSITION_EMBEDDINGS
-from hybridkv.planner.plan import full_attention_grouping
+from hybridkv.planner.architectures import language_model_config
 from hybridkv.planner.presets import load_model_config
 from hybridkv.planner.sizes import format_bytes
 from hybridkv.scheduler.interface import SamplingParams
@@ -187,21 +185,19 @@ def _require_engine_dependencies() -> None:
 def _check_pool(args: argparse.Namespace, config: dict, label: str) -> None:
     """Refuse a KV cache that fits no block or not in memory, before the model loads.
 
-    The bytes of a block id come from the planner (the engine lays its tensors out the
-    same way): ``group_size * 2 * block_size * kv_heads * head_dim * dtype bytes``.
+    The layout is the engine's (:class:`~hybridkv.engine.layout.EngineLayout`, torch-free):
+    a block id's bytes are every group's pages (``group_size * page``), and what is
+    allocated adds the state pools of linear-attention layers.
     """
     from hybridkv.engine.kv_storage import check_allocation
+    from hybridkv.engine.layout import EngineLayout
 
-    layers = model_layers(config, label=label, block_size=args.block_size, dtype=args.dtype)
+    layout = EngineLayout.plan(config, label=label, block_size=args.block_size, dtype=args.dtype,
+                               max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                               hybrid=not args.no_hybrid, memory_bytes=args.kv_cache_memory)
     if args.num_blocks is None and args.kv_cache_memory is None:
         return
-    max_len = args.max_model_len or layers.max_position_embeddings or DEFAULT_MAX_POSITION_EMBEDDINGS
-    budget = args.max_num_batched_tokens
-    if args.no_hybrid:  # the engine's layouts, with the same arguments
-        grouping = full_attention_grouping(layers, max_len, budget)
-    else:
-        grouping = group_layers(layers.specs, max_len, max_num_batched_tokens=budget, memory_bytes=args.kv_cache_memory)
-    per_block = grouping.bytes_per_block
+    per_block = layout.bytes_per_block
     if args.num_blocks is not None:
         num_blocks = args.num_blocks
         what = f"--num-blocks {num_blocks:,} (blocks of {format_bytes(per_block)})"
@@ -214,7 +210,7 @@ def _check_pool(args: argparse.Namespace, config: dict, label: str) -> None:
                 f"{format_bytes(per_block)} ({per_block:,} bytes) for this model; 2 are needed (the null "
                 f"block and one usable): give at least {format_bytes(2 * per_block)}"
             )
-    check_allocation(num_blocks * per_block, "cpu", what)
+    check_allocation(layout.allocation_bytes(num_blocks), "cpu", what)
 
 
 def _prompts(args: argparse.Namespace) -> tuple[list[Any], bool]:
@@ -312,11 +308,18 @@ def summary_line(llm, outputs: list, elapsed: float) -> str:
     for g in kv.groups:
         peaks.setdefault(g.label, []).append(g.peak_blocks)
     blocks = ", ".join(f"{label} {max(p)}" if len(p) == 1 else f"{label} {len(p)}x{max(p)}" for label, p in peaks.items())
+    what = "KV+state" if kv.state_bytes_per_request or kv.full_state_bytes_per_request else "KV"
+
+    def amount(total: int, state: int) -> str:
+        return format_bytes(total) + (f" ({format_bytes(state)} state)" if state else "")
+
+    mine = amount(kv.kv_bytes_per_request, kv.state_bytes_per_request)
     layout = (
-        f"KV/request at {kv.num_tokens:,} tokens {format_bytes(kv.kv_bytes_per_request)} hybrid vs "
-        f"{format_bytes(kv.full_kv_bytes_per_request)} all-full (all-full / hybrid {kv.full_over_layout:.2f}x)"
+        f"{what}/request at {kv.num_tokens:,} tokens {mine} hybrid vs "
+        f"{amount(kv.full_kv_bytes_per_request, kv.full_state_bytes_per_request)} all-full "
+        f"(all-full / hybrid {kv.full_over_layout:.2f}x)"
         if kv.hybrid
-        else f"KV/request at {kv.num_tokens:,} tokens {format_bytes(kv.kv_bytes_per_request)} (all-full, --no-hybrid)"
+        else f"{what}/request at {kv.num_tokens:,} tokens {mine} (all-full, --no-hybrid)"
     )
     return (
         f"{len(outputs)} prompt{'s' if len(outputs) != 1 else ''}: {prompt_tokens:,} prompt + {output_tokens:,} "

@@ -3,10 +3,17 @@
     engine = LLMEngine("path/to/model_dir", EngineConfig(block_size=8, num_blocks=512))
     outputs = engine.generate([[1, 2, 3], [1, 2, 4]], SamplingParams(max_tokens=16))
 
-Built from the pieces in layer order: the model says each layer's attention type →
-core specs → the planner groups the layers (equal group sizes, tensors shared by
-position) → ``KVCacheManager`` over the groups → ``Scheduler`` → ``PagedModelRunner``
-over a ``PagedKVStorage`` laid out like the groups. Prefix caching is on by default.
+Built from the pieces in layer order: the model's config → the planner's caches and
+groups (:class:`~hybridkv.engine.layout.EngineLayout`: equal group sizes, tensors shared
+by position) → ``KVCacheManager`` over the groups → ``Scheduler`` → ``PagedModelRunner``
+over a ``PagedKVStorage`` laid out like the attention groups. Prefix caching is on by default.
+
+Models with linear-attention layers (Qwen3-Next, Qwen3.5) have state groups too: the
+manager keeps their tables (a state checkpoint per block position), the runner's
+:class:`~hybridkv.engine.state_runner.StateRunner` keeps the states, one slot per block
+id, and the block size is the planner's (a state page may raise ``block_size``, the
+requested one: :attr:`LLMEngine.block_size` is the one in use). Which checkpoints stay
+cached: ``prefix_cache_retention_interval`` (vLLM's; 0, the default, keeps the prompt's last).
 A request stops at the model's EOS ids (``config.json`` and ``generation_config.json``
 ``eos_token_id``) and at its ``stop_token_ids``; ``SamplingParams(ignore_eos=True)``
 keeps only the latter.
@@ -38,17 +45,17 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from hybridkv.checkpoint import ModelSource
-from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheManagerConfig, KVCacheConfig, KVCacheGroup
+from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheManagerConfig
 from hybridkv.core.kv_cache_manager import KVCacheManager
-from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation
-from hybridkv.engine.kv_summary import KVSummary, UsageTracker, kv_bytes_per_request
+from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation, torch_dtype
+from hybridkv.engine.layout import EngineLayout
+from hybridkv.engine.kv_summary import KVSummary, UsageTracker, kv_bytes_per_request, state_bytes_per_request
 from hybridkv.engine.model_runner import PagedModelRunner
 from hybridkv.engine.models import load_model
 from hybridkv.engine.models.base import CausalLM
+from hybridkv.engine.state_runner import StateRunner
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, UnknownRequestError
-from hybridkv.planner.architectures import model_layers
-from hybridkv.planner.grouping import Grouping, group_layers
-from hybridkv.planner.plan import full_attention_grouping
+from hybridkv.planner.grouping import Grouping
 from hybridkv.planner.sizes import parse_bytes
 from hybridkv.scheduler.config import SchedulerConfig
 from hybridkv.scheduler.interface import SamplingParams
@@ -78,6 +85,8 @@ class EngineConfig:
     hybrid: bool = True  # False: every layer's KV kept as full attention (the all-full layout)
     enable_kv_events: bool = False  # record KV cache events (drained by engine.kv.take_events())
     queued_prefix: str = "none"  # SchedulerConfig.queued_prefix: "none" (vLLM), "refresh" or "pin" (the server's)
+    #: state checkpoints cached (CacheManagerConfig's): None every block, 0 the prompt's last, k every k tokens
+    prefix_cache_retention_interval: int | None = 0
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.kv_cache_memory is not None:
@@ -151,32 +160,29 @@ class LLMEngine:
                 f"{m.max_position_embeddings:,}"
             )
         self.max_model_len = config.max_model_len or m.max_position_embeddings
-        memory = self._kv_cache_memory = None if config.kv_cache_memory is None else parse_bytes(config.kv_cache_memory)
-        #: the layers as the planner reads them (the specs of the hybrid layout)
-        self.layers = model_layers(m.config, family=m.family, block_size=config.block_size, dtype=config.dtype)
-        budget = config.max_num_batched_tokens
-        #: every layer as full attention: the ``hybrid=False`` layout and the figure it is compared with
-        self.full_grouping: Grouping = full_attention_grouping(self.layers, self.max_model_len, budget)
-        self.grouping: Grouping = self.full_grouping
-        if config.hybrid:
-            self.grouping = group_layers(
-                self.layers.specs,
-                self.max_model_len,
-                group_size=config.group_size,
-                max_num_batched_tokens=budget,
-                memory_bytes=memory,
-            )
-        num_blocks = self._num_blocks()
-        # before any per-block state exists: a huge pool is refused, not built for minutes
-        check_allocation(num_blocks * self.grouping.bytes_per_block, config.device, f"a KV cache of {num_blocks:,} blocks")
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks,
-            tuple(KVCacheGroup(g.spec, tuple(f"model.layers.{i}" for i in g.layers)) for g in self.grouping.groups),
+        memory = None if config.kv_cache_memory is None else parse_bytes(config.kv_cache_memory)
+        #: the caches, groups and pool arithmetic (the planner's, at this engine's dtype)
+        self.layout = layout = EngineLayout.plan(
+            m.config, family=m.family, block_size=config.block_size, dtype=config.dtype,
+            max_model_len=self.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
+            hybrid=config.hybrid, group_size=config.group_size, memory_bytes=memory,
         )
+        #: the layers as the planner reads them (the specs of the hybrid layout)
+        self.layers = layout.layers
+        #: every layer as full attention: the ``hybrid=False`` layout and the figure it is compared with
+        self.full_grouping: Grouping = layout.full_grouping
+        self.grouping: Grouping = layout.grouping
+        #: tokens per block: the requested ``block_size``, or more when a state page raised it
+        self.block_size = layout.block_size
+        num_blocks = layout.num_blocks(config.num_blocks, memory, config.max_num_seqs)
+        # before any per-block state exists: a huge pool is refused, not built for minutes
+        check_allocation(layout.allocation_bytes(num_blocks), config.device, f"a KV cache of {num_blocks:,} blocks")
+        self.kv_cache_config = layout.kv_cache_config(num_blocks)
         self.kv = KVCacheManager(
             self.kv_cache_config,
             CacheManagerConfig(max_model_len=self.max_model_len, enable_caching=config.enable_prefix_caching,
-                               enable_kv_events=config.enable_kv_events),
+                               enable_kv_events=config.enable_kv_events,
+                               prefix_cache_retention_interval=config.prefix_cache_retention_interval),
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -188,9 +194,10 @@ class LLMEngine:
                 queued_prefix=config.queued_prefix,
             ),
         )
+        attention = layout.attention_groups
         self.storage = PagedKVStorage(
-            [list(g.layers) for g in self.grouping.groups],
-            config.block_size,
+            [list(g.layers) for g in attention.values()],
+            self.block_size,
             num_blocks,
             m.num_kv_heads,
             m.head_dim,
@@ -198,26 +205,20 @@ class LLMEngine:
             device=config.device,
             debug=config.debug_checks,
         )
-        self.runner = PagedModelRunner(m, self.storage, seed=config.seed, group_specs=[g.spec for g in self.grouping.groups])
+        #: the linear-attention layers' states (None for attention-only models)
+        self.states: StateRunner | None = None
+        if layout.state_groups:
+            self.states = StateRunner(
+                {g: group.layers for g, group in layout.state_groups.items()}, self.grouping.num_groups,
+                self.block_size, num_blocks, m.state_shape(), dtype=torch_dtype(config.dtype), device=config.device,
+            )
+        self.runner = PagedModelRunner(m, self.storage, seed=config.seed,
+                                       group_specs=[g.spec for g in attention.values()], states=self.states)
         #: where requests stop unless they ask ``ignore_eos`` (config.json + generation_config.json)
         self.eos_token_ids: tuple[int, ...] = m.eos_token_ids
         self._ids = itertools.count()
         self._progress: dict[str, _Progress] = {}
         self._usage = UsageTracker((g.spec for g in self.grouping.groups), (len(g.layers) for g in self.grouping.groups))
-
-    def _num_blocks(self) -> int:
-        """The pool: as given, or what ``kv_cache_memory`` holds, or by default room for
-        ``max_num_seqs`` requests of ``max_model_len`` (the specs' one per-request bound at
-        this engine's ``max_num_batched_tokens``), capped at 1 GiB but never below one
-        whole request and the null block."""
-        cfg = self.config
-        if cfg.num_blocks is not None:
-            return cfg.num_blocks
-        if cfg.kv_cache_memory is None:
-            per_request = self.grouping.blocks_per_request(self.max_model_len)
-            cap = (1 << 30) // self.grouping.bytes_per_block
-            return max(per_request + 1, min(cfg.max_num_seqs * per_request + 1, cap))
-        return self._kv_cache_memory // self.grouping.bytes_per_block
 
     # --------------------------------------------------------------- requests
     def add_request(
@@ -338,7 +339,8 @@ class LLMEngine:
     def kv_summary(self, num_tokens: int | None = None) -> KVSummary:
         """Blocks in use per group (now and peak), prefix-hit tokens and preemptions since the
         engine started, and the KV bytes of one request of ``num_tokens`` (default
-        ``max_model_len``) in this layout and in the all-full one."""
+        ``max_model_len``) in this layout and in the all-full one (state blocks included,
+        and also given apart)."""
         n = self.max_model_len if num_tokens is None else num_tokens
         if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= self.max_model_len:
             raise InvalidArgumentError(f"num_tokens must be an int in [1, {self.max_model_len}], got {n!r}")
@@ -353,6 +355,8 @@ class LLMEngine:
             num_tokens=n,
             kv_bytes_per_request=kv_bytes_per_request(self.grouping, n),
             full_kv_bytes_per_request=kv_bytes_per_request(self.full_grouping, n),
+            state_bytes_per_request=state_bytes_per_request(self.grouping, n),
+            full_state_bytes_per_request=state_bytes_per_request(self.full_grouping, n),
         )
 
     @property

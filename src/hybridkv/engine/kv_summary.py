@@ -14,6 +14,14 @@ fp32, block 16, budget 2048, 32,768 tokens): a page is 2 * 16 * 1 * 256 * 4 = 32
 hybrid groups of 3 (1 full, 5 sliding) take 3 pages per block id, a request holds
 2048 + 5 * ((511 + 2048 - 1) // 16 + 2 = 161) = 2853 ids = 267.5 MiB; all-full is one
 group of 18 (18 pages per id), 2048 ids = 1152 MiB: 4.3x.
+
+State groups (linear-attention layers) count like the others: a request holds at most two
+block ids of each (the state it continues from and the one its step writes), whatever its
+length, at ``bytes_per_block`` each; ``state_bytes_per_request`` is that part of the
+request's bytes. The all-full layout keeps state layers as states, so a model of full
+and linear layers only (Qwen3-Next) is the same in both: 1.00x. The tests' tiny Qwen3-Next
+(1 full + 3 linear layers, block 16, 4 KiB a block id, fp32) at 256 tokens: 16 + 3 * 2 = 22
+ids = 88 KiB, of which 24 KiB states.
 """
 
 from __future__ import annotations
@@ -22,10 +30,11 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from hybridkv.core.kv_cache_manager import KVCacheManager
-from hybridkv.core.specs import KVCacheSpec
+from hybridkv.core.specs import CacheSpec
+from hybridkv.core.state_spec import StateSpec
 from hybridkv.planner.grouping import Grouping
 
-__all__ = ["GroupUsage", "KVSummary", "UsageTracker"]
+__all__ = ["GroupUsage", "KVSummary", "UsageTracker", "kv_bytes_per_request", "state_bytes_per_request"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +42,7 @@ class GroupUsage:
     """One KV cache group: its attention type, layers and blocks in use (now / at peak)."""
 
     group: int
-    kind: str  # the spec's kind: full_attention, sliding_window, chunked_local_attention
+    kind: str  # the spec's kind: full_attention, sliding_window, chunked_local_attention, mamba (a state)
     size: int | None  # window / chunk in tokens; None for full attention
     num_layers: int
     blocks_in_use: int
@@ -41,8 +50,8 @@ class GroupUsage:
 
     @property
     def label(self) -> str:
-        """``full``, ``sliding(512)``, ``chunked(8192)``."""
-        short = self.kind.split("_")[0]
+        """``full``, ``sliding(512)``, ``chunked(8192)``, ``state``."""
+        short = "state" if self.kind == StateSpec.kind else self.kind.split("_")[0]
         return short if self.size is None else f"{short}({self.size})"
 
 
@@ -59,6 +68,8 @@ class KVSummary:
     num_tokens: int  # the request length the per-request bytes are for
     kv_bytes_per_request: int  # this layout (hybrid, or all-full with hybrid off)
     full_kv_bytes_per_request: int  # every layer as full attention
+    state_bytes_per_request: int = 0  # of kv_bytes_per_request, the state groups' blocks
+    full_state_bytes_per_request: int = 0  # of full_kv_bytes_per_request, the state groups' blocks
 
     @property
     def peak_bytes(self) -> int:
@@ -76,10 +87,17 @@ def kv_bytes_per_request(grouping: Grouping, num_tokens: int) -> int:
     return grouping.blocks_per_request(num_tokens) * grouping.bytes_per_block
 
 
+def state_bytes_per_request(grouping: Grouping, num_tokens: int) -> int:
+    """Of :func:`kv_bytes_per_request`, the bytes of the state groups' block ids."""
+    budget = grouping.max_num_batched_tokens
+    return sum(g.spec.max_num_blocks(num_tokens, budget) for g in grouping.groups if g.is_state) * \
+        grouping.bytes_per_block
+
+
 class UsageTracker:
     """Blocks in use per group, sampled once per step (see the module docstring)."""
 
-    def __init__(self, specs: Iterable[KVCacheSpec], layers_per_group: Iterable[int]) -> None:
+    def __init__(self, specs: Iterable[CacheSpec], layers_per_group: Iterable[int]) -> None:
         self.specs = tuple(specs)
         self.num_layers = tuple(layers_per_group)
         self.peak = [0] * len(self.specs)

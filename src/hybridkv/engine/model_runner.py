@@ -12,6 +12,11 @@ the :class:`PagedKVStorage`. A step:
    such request (all greedy rows in one ``argmax``).
 
 ``last_logits`` keeps those logits (``{request_id: [vocab]}``) for tests.
+
+A model with linear-attention layers (Qwen3-Next, Qwen3.5) runs with a
+:class:`~hybridkv.engine.state_runner.StateRunner`: its state groups' tables become the
+step's state metadata, the other groups' the attention's (the storage holds only those).
+Without one, nothing of this runs.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from hybridkv.engine.host import long_tensor
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.sampling import Sampler
+from hybridkv.engine.state_runner import StateRunner
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 from hybridkv.scheduler.interface import SchedulerOutput
 
@@ -75,11 +81,25 @@ class PagedModelRunner:
         storage: PagedKVStorage,
         seed: int = 0,
         group_specs: Sequence[KVCacheSpec] | None = None,
+        states: StateRunner | None = None,
     ) -> None:
-        if set(storage.layer_to_group_position) != set(range(model.num_layers)):
+        kv_layers = set(storage.layer_to_group_position)
+        linear = set(getattr(model, "linear_layers", ()))
+        state_layers = set(states.layers) if states is not None else set()
+        if state_layers != linear:
             raise InvalidConfigError(
-                f"the KV storage covers layers {sorted(storage.layer_to_group_position)}, "
+                f"the state storage covers layers {sorted(state_layers)}, the model's linear-attention "
+                f"layers are {sorted(linear)}"
+            )
+        if kv_layers & state_layers or kv_layers | state_layers != set(range(model.num_layers)):
+            raise InvalidConfigError(
+                f"the KV storage covers layers {sorted(kv_layers)} and the state storage {sorted(state_layers)}, "
                 f"the model has layers 0..{model.num_layers - 1}"
+            )
+        if states is not None and len(states.attention_groups) != storage.num_groups:
+            raise InvalidConfigError(
+                f"{len(states.attention_groups)} attention groups beside the state groups, the KV storage "
+                f"has {storage.num_groups}"
             )
         if (storage.num_kv_heads, storage.head_size) != (model.num_kv_heads, model.head_dim):
             raise InvalidConfigError(
@@ -89,6 +109,7 @@ class PagedModelRunner:
         self.group_specs = _check_group_specs(model, storage, group_specs)
         self.model = model
         self.storage = storage
+        self.states = states
         self.sampler = Sampler(seed)
         self.last_logits: dict[str, torch.Tensor] = {}
         self.device = storage.device
@@ -112,15 +133,23 @@ class PagedModelRunner:
         if min(flat_ids) < 0 or max(flat_ids) >= vocab:
             raise InvalidArgumentError(f"token ids must be in [0, {vocab}), got {min(flat_ids)}..{max(flat_ids)}")
         sampled = [i for i, r in enumerate(reqs) if r.sample]
+        states = self.states
+        if states is None:
+            tables = [r.block_ids for r in reqs]
+        else:  # the KV storage holds the attention groups only
+            tables = [[r.block_ids[g] for g in states.attention_groups] for r in reqs]
         meta = AttentionMetadata.build(
             self.storage,
             [r.num_computed_tokens for r in reqs],
             [len(r.token_ids) for r in reqs],
-            [r.block_ids for r in reqs],
+            tables,
             output_seqs=sampled,
         )
         input_ids = long_tensor(flat_ids, self.device)  # [T]
-        hidden = self.model(input_ids, meta.positions, meta)  # [N, hidden]: sampled requests' last tokens
+        if states is None:
+            hidden = self.model(input_ids, meta.positions, meta)  # [N, hidden]: sampled requests' last tokens
+        else:
+            hidden = self.model(input_ids, meta.positions, meta, states.step(reqs))
         if not sampled:
             return {}
         logits = self.model.compute_logits(hidden)  # [N, vocab]

@@ -9,6 +9,10 @@ a fresh prefill) and in which slots to store the state after given numbers of it
 (:class:`StateWrite`; the last one after all of them). The layer that reads them is
 :class:`~hybridkv.engine.models.gated_deltanet.GatedDeltaNet`, whose docstring has a worked
 example.
+
+A model with several state groups (the engine's, see :mod:`hybridkv.engine.state_runner`)
+gets a :class:`StepStates`: one StateMetadata per group, each layer picking its group's
+with ``for_layer`` (a single StateMetadata answers ``for_layer`` with itself).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from hybridkv.engine.host import long_tensor
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 
-__all__ = ["StateShape", "StateStorage", "StateWrite", "StateMetadata"]
+__all__ = ["StateShape", "StateStorage", "StateWrite", "StateMetadata", "StepStates"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +88,41 @@ class StateStorage:
         self._conv = {i: torch.zeros(num_slots, *shape.conv_shape, dtype=dtype, device=device) for i in layers}
         self._ssm = {i: torch.zeros(num_slots, *shape.ssm_shape, dtype=ssm_dtype, device=device) for i in layers}
 
+    @classmethod
+    def shared(
+        cls,
+        groups: Sequence[Sequence[int]],
+        num_slots: int,
+        shape: StateShape,
+        dtype: torch.dtype = torch.float32,
+        ssm_dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> "StateStorage":
+        """Pools shared by position, as :class:`~hybridkv.engine.kv_storage.PagedKVStorage`
+        shares KV tensors: layer ``groups[g][j]`` lives in pool ``j``. Sound when the groups'
+        slots are block ids of one pool (a block belongs to one group at a time).
+
+            StateStorage.shared([[0, 4], [1, 5], [2, 6]], 64, shape)   # 2 pools of each, not 6
+        """
+        layers = [i for g in groups for i in g]
+        if not layers or len(set(layers)) != len(layers):
+            raise InvalidConfigError(f"every state layer must be in exactly one group, got {groups}")
+        width = max(len(g) for g in groups)
+        storage = cls(range(width), num_slots, shape, dtype, ssm_dtype, device)
+        conv, ssm = storage._conv, storage._ssm
+        storage._conv = {i: conv[j] for g in groups for j, i in enumerate(g)}
+        storage._ssm = {i: ssm[j] for g in groups for j, i in enumerate(g)}
+        return storage
+
     @property
     def layers(self) -> list[int]:
         return list(self._conv)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every distinct pool (a pool shared by several layers counts once)."""
+        pools = {id(t): t for d in (self._conv, self._ssm) for t in d.values()}
+        return sum(t.numel() * t.element_size() for t in pools.values())
 
     def conv(self, layer: int) -> torch.Tensor:
         return self._conv[layer]
@@ -138,7 +174,11 @@ class StateMetadata:
         query_lens: Sequence[int],
         read_slots: Sequence[int],
         writes: Sequence[Sequence[tuple[int, int]]],
+        memo: dict[Any, Any] | None = None,
     ) -> "StateMetadata":
+        """``memo``: the per-step memo of another metadata of the same step with the same
+        query lengths and write positions (only the slots differ: the engine's state groups),
+        so its index tensors are built once for all of them."""
         n = len(query_lens)
         if n == 0 or len(read_slots) != n or len(writes) != n:
             raise InvalidArgumentError("query_lens, read_slots and writes need one entry per sequence (at least one)")
@@ -178,7 +218,12 @@ class StateMetadata:
             prefills=tuple(s for s, q in enumerate(lens) if q > 1),
             read_slot_tensor=long_tensor(list(reads), device),
             write_slot_tensor=long_tensor([w.slot for seq in ws for w in seq], device),
+            _memo={} if memo is None else memo,
         )
+
+    def for_layer(self, layer: int) -> "StateMetadata":
+        """The metadata of ``layer``: this one (every layer reads the same slots)."""
+        return self
 
     @property
     def num_tokens(self) -> int:
@@ -196,3 +241,19 @@ class StateMetadata:
         """[sum q_len] the flat rows of ``seqs``' tokens, in order."""
         return long_tensor([self.cu_starts[s] + i for s in seqs for i in range(self.query_lens[s])],
                            self.storage.device)
+
+
+@dataclass(frozen=True, slots=True)
+class StepStates:
+    """A step's states when the layers are in several state groups: ``groups[k]`` is group
+    ``k``'s :class:`StateMetadata` (same sequences, its own slots), ``layer_group[i]`` the
+    group of layer ``i``."""
+
+    groups: tuple[StateMetadata, ...]
+    layer_group: dict[int, int]
+
+    def for_layer(self, layer: int) -> StateMetadata:
+        try:
+            return self.groups[self.layer_group[layer]]
+        except KeyError:
+            raise InvalidArgumentError(f"layer {layer} is in no state group ({sorted(self.layer_group)})") from None

@@ -17,7 +17,10 @@ expert scaled by ``sigmoid(shared_expert_gate(x))``. Experts are stored per expe
 (``mlp.experts.{e}.gate_proj``), as the checkpoints and HF's ``save_pretrained`` write them.
 
 A step runs :meth:`Qwen3NextForCausalLM.forward` with the AttentionMetadata of the full
-layers and the :class:`StateMetadata` of the linear ones (same sequences, same order).
+layers and the :class:`StateMetadata` of the linear ones (same sequences, same order), or
+a :class:`~hybridkv.engine.state.StepStates` when the linear layers are in several state
+groups with their own slots (the engine's cache layout): each layer reads
+``state.for_layer(layer_idx)``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import nn
 from hybridkv.engine.attention import FULL, AttentionMetadata, paged_attention
 from hybridkv.engine.models.base import CausalLM, DecoderStack, RMSNorm, Rope, require
 from hybridkv.engine.models.gated_deltanet import GatedDeltaNet, StateMetadata, StateShape
+from hybridkv.engine.state import StepStates
 from hybridkv.engine.models.linear import Linear, PackedWeight, fuse_linears, linear
 from hybridkv.engine.models.llama import GatedMLP
 from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half, rope_parameters
@@ -157,14 +161,14 @@ class Qwen3NextDecoderLayer(nn.Module):
         positions: torch.Tensor,
         rope: Rope,
         meta: AttentionMetadata,
-        state: StateMetadata | None,
+        state: StateMetadata | StepStates | None,
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.input_layernorm(h)
         if self.is_linear:
             if state is None:
                 raise InvalidArgumentError("a model with linear-attention layers needs the step's StateMetadata")
-            a = self.linear_attn(x, state, keep=keep)
+            a = self.linear_attn(x, state.for_layer(self.linear_attn.layer_idx), keep=keep)
         else:
             a = self.self_attn(x, positions, rope, meta, keep=keep)
         if keep is not None:
@@ -245,7 +249,7 @@ class Qwen3NextForCausalLM(CausalLM):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        state: StateMetadata | None = None,
+        state: StateMetadata | StepStates | None = None,
     ) -> torch.Tensor:
         """input_ids / positions [T] -> final-norm hidden states [T, hidden] ([N, hidden] for
         ``meta.output_seqs``): ``meta`` for the full-attention layers, ``state`` for the linear ones."""
