@@ -179,3 +179,27 @@ def test_cli_generate_text_and_summary(tiny, capsys):
     print(summary)
     assert "KV blocks peak full " in summary and ", state 3x" in summary
     assert "KV+state/request at 256 tokens 88 KiB (24 KiB state) hybrid vs 88 KiB (24 KiB state) all-full" in summary
+
+
+@pytest.mark.parametrize("interval, code", [("all", 0), ("16", 0), ("5", 2), ("-1", 2), ("x", 2)])
+def test_cli_retention_interval(tiny, capsys, interval, code):
+    """``--prefix-cache-retention-interval``: all, a multiple of the (unified) block size, or
+    one line and exit 2 (argparse for non-ints, the core for a non-multiple)."""
+    from hybridkv.cli import main
+
+    model = tiny("linear_last")
+    path = model[0]
+    write_tokenizer(path)
+    args = ["generate", str(path), "--prompt", "hello hello hello hello hello", "--json", "--max-tokens", "3",
+            "--block-size", "4", "--max-model-len", "256", "--prefix-cache-retention-interval", interval]
+    try:
+        rc = main(args)
+    except SystemExit as exc:  # argparse's own exit
+        rc = exc.code
+    captured = capsys.readouterr()
+    assert rc == code, captured.err
+    if code:
+        assert "Traceback" not in captured.err and len(captured.err.strip().splitlines()) == 1
+    else:
+        records = [json.loads(line) for line in captured.out.splitlines()]
+        assert [r["output_ids"] for r in records] == [_want(model, r["prompt_ids"])[:3] for r in records]

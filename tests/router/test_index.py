@@ -41,7 +41,7 @@ from hybridkv.server.kv_events import (  # noqa: E402
     to_batch,
 )
 
-from tests.core.helpers import chunked, full, sliding  # noqa: E402
+from tests.core.helpers import chunked, sliding  # noqa: E402
 from tests.core.test_state_manager import StateMachine  # noqa: E402
 from tests.core.test_random_operations import (  # noqa: E402
     BS,

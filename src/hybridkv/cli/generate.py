@@ -157,6 +157,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, max_num_seqs_default: str)
     p.add_argument("--max-num-batched-tokens", type=int_range(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                    help=f"token budget of one step (chunked prefill) (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (default on)")
+    p.add_argument("--prefix-cache-retention-interval", type=_retention, default=0, metavar="N|all",
+                   help="state checkpoints kept by linear-attention / SSM layers: 0 the prompt's last (default, "
+                        "vLLM's), all every block, N every N tokens (a multiple of the block size)")
 
 
 def engine_config(args: argparse.Namespace, max_num_seqs: int):
@@ -168,7 +171,21 @@ def engine_config(args: argparse.Namespace, max_num_seqs: int):
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs or max_num_seqs, dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens, hybrid=not args.no_hybrid,
+        prefix_cache_retention_interval=args.prefix_cache_retention_interval,
     )
+
+
+def _retention(text: str) -> int | None:
+    """``--prefix-cache-retention-interval``: "all" (None: every block) or an int >= 0."""
+    if text.strip().lower() == "all":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'all' or an int >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 'all' or an int >= 0, got {text!r}")
+    return value
 
 
 def _require_engine_dependencies() -> None:
