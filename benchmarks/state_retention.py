@@ -14,7 +14,7 @@ conversation of 2-6 turns on one of 8 Zipf-popular system prompts; the next turn
 extends the previous prompt and reply, arrives a few steps after the reply) through
 hybridkv's scheduler and the fake runner at a fixed pool, once per interval, and prints
 the prefix hit rate, the cached state checkpoints at the end, the mean pool usage and the
-steps to finish. Torch-free, about 20-40 s::
+steps to finish. Torch-free, about 10 s a pool::
 
     PYTHONPATH=src python3 benchmarks/state_retention.py [--pool 700] [--block 544]
 """
