@@ -10,12 +10,12 @@ way (the managers read only the page size).
 Workload (:func:`chat_doc_stream`), lengths in blocks so every block size sees the same
 shape: multi-turn chats (turn k's prompt = a Zipf-popular system prompt + the earlier turns'
 user messages and answers + a new message) and questions on a few long documents
-(chunked prefill). Prefill chunks are clipped as vLLM 0.33's scheduler clips them for
-state groups in "align" mode (:func:`vllm_align`: chunk ends on block boundaries, never
-past the prompt's last checkpoint ``(T - 1) // B * B``; a chunk that would end before its
-first boundary is not scheduled this step). :func:`notes_align_split` is the rule as the
-notes' tested driver has it and ``KVCacheManager.align_num_new_tokens`` is ours; the
-check compares all of them chunk by chunk.
+(chunked prefill). Prefill chunks are clipped as a scheduler for state groups in "align"
+mode clips them: each lane uses its own side's rule (hybridkv's
+``KVCacheManager.align_num_new_tokens`` with the step budget, vLLM 0.33's
+``Scheduler._mamba_block_aligned_split``), both with the request's shared-prefix junction
+set by its ``get_computed_blocks``. :func:`vllm_align` transcribes vLLM's rule (plain path)
+for lanes without one of their own; :func:`ours_align` is ours on the same arguments.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Iterator
 
 from _traces import GroupDesc, RequestSpec, TraceSpec, _tokens
 
-__all__ = ["qwen3next_groups", "chat_doc_stream", "vllm_align", "notes_align_split", "ours_align",
+__all__ = ["qwen3next_groups", "chat_doc_stream", "vllm_align", "ours_align",
            "make_state_trace", "STATE_TRACES", "GDN_SHAPES"]
 
 #: Qwen3-Next's Gated DeltaNet state per layer, tp=1: conv (K-1, conv_dim), ssm (v_heads, v_dim, k_dim)
@@ -84,9 +84,15 @@ def chat_doc_stream(seed: int, bs: int, num_system: int = 6, num_docs: int = 4, 
 
 def vllm_align(req, num_prompt: int, num_tokens: int, start: int, n: int, *, bs: int, max_prefill: int) -> int:
     """vLLM 0.33's ``Scheduler._mamba_block_aligned_split``, plain path (no EAGLE, no partial
-    hash hits, no prefill checkpoints, no junction). A chunk that would end before its
-    first block boundary is cut to 0 (``block_size <= max_num_scheduled_tokens``): the
-    request waits for a step with budget for a whole block."""
+    hash hits, no prefill checkpoints; ``mamba_shared_prefix_checkpoint`` off, its default):
+    a chunk that is not the prefill's last ends on a block boundary, rounded down even to 0
+    when ``bs <= max_prefill`` (the request waits for a step with budget for a whole block);
+    it stops at the next boundary when it starts inside a block, at the prompt's last
+    checkpoint ``(T - 1) // B * B`` and at the request's junction
+    (``req.shared_prefix_boundary``, floored to a whole number of blocks from ``start``).
+
+    Block 16, budget 256, prompt 78: (0, 40) -> 32; (0, 5) -> 0; junction 48: (0, 78) -> 48.
+    """
     prefill_end = max(num_prompt, num_tokens - 1)
     if start >= prefill_end:
         return n
@@ -95,45 +101,36 @@ def vllm_align(req, num_prompt: int, num_tokens: int, start: int, n: int, *, bs:
         aligned = end // bs * bs
         if aligned > start or bs <= max_prefill:
             end = aligned
-    stops = ((start // bs + 1) * bs if start % bs else 0, (num_tokens - 1) // bs * bs)
+    junction = getattr(req, "shared_prefix_boundary", 0) if req is not None else 0
+    stops = ((start // bs + 1) * bs if start % bs else 0, (num_tokens - 1) // bs * bs,
+             start + (junction - start) // bs * bs if start < junction < end else 0)
     end = min((s for s in stops if start < s < end), default=end)
     return max(end - start, 0)
 
 
-def notes_align_split(num_prompt: int, num_tokens: int, start: int, n: int, bs: int) -> int:
-    """The rule as /work/wt/notes_vllm_mamba.md §8's tested driver has it (no budget clause)."""
-    pe = max(num_prompt, num_tokens - 1)
-    if start >= pe:
-        return n
-    end = start + n
-    if end < pe and end // bs * bs > start:
-        end = end // bs * bs
-    stops = ((start // bs + 1) * bs if start % bs else 0, (num_tokens - 1) // bs * bs)
-    return min((s for s in stops if start < s < end), default=end) - start
-
-
-def ours_align(req, num_prompt: int, num_tokens: int, start: int, n: int, *, bs: int) -> int:
-    """hybridkv's rule (``KVCacheManager.align_num_new_tokens``), as a trace-level function."""
+def ours_align(req, num_prompt: int, num_tokens: int, start: int, n: int, *, bs: int, max_prefill: int) -> int:
+    """hybridkv's rule (``KVCacheManager.align_num_new_tokens``: the step budget and the
+    request's junction) on the same arguments as :func:`vllm_align`."""
     from hybridkv.core.managers.state import aligned_num_new_tokens
 
-    return aligned_num_new_tokens(start, n, num_prompt, num_tokens, bs)
+    junction = getattr(req, "shared_prefix_boundary", 0) if req is not None else 0
+    return aligned_num_new_tokens(start, n, num_prompt, num_tokens, bs, max_prefill, junction)
 
 
 STATE_TRACES = ("q0", "qn", "q0s", "qns")
 
 
-def make_state_trace(name: str, quick: bool = False, align: str = "vllm") -> TraceSpec:
+def make_state_trace(name: str, quick: bool = False) -> TraceSpec:
     """``q0`` / ``qn``: block 544 (the real page), retention 0 (vLLM's default) / None (dense);
-    ``q0s`` / ``qns``: the same at block 16 (small pool and state). ``align``: "vllm" clips
-    chunks with :func:`vllm_align`, "hybridkv" with ours."""
+    ``q0s`` / ``qns``: the same at block 16 (small pool and state). ``align`` is
+    :func:`vllm_align` (hybridkv's and vLLM's lanes bring their own rules)."""
     if name not in STATE_TRACES:
         raise KeyError(name)
     small = name.endswith("s")
     bs = 16 if small else 544
     retention = 0 if name.startswith("q0") else None
     budget = 8192 if not small else 256
-    rule = (functools.partial(vllm_align, bs=bs, max_prefill=budget) if align == "vllm"
-            else functools.partial(ours_align, bs=bs))
+    rule = functools.partial(vllm_align, bs=bs, max_prefill=budget)
     return TraceSpec(
         name=name,
         description=(f"Qwen3-Next (1 full + 3 GDN state), block {bs}, retention "

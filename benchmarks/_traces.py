@@ -144,7 +144,9 @@ class TraceSpec:
     #: which state checkpoints are cached (``prefix_cache_retention_interval``: None dense, 0, k)
     retention: int | None = None
     #: prefill chunks clipped as a scheduler for state groups does:
-    #: ``align(req, num_prompt_tokens, num_tokens, num_computed, n) -> n'`` (0: not this step)
+    #: ``align(req, num_prompt_tokens, num_tokens, num_computed, n) -> n'`` (0: not this step);
+    #: a lane with its own rule (an ``align`` attribute: hybridkv's and vLLM's lanes on state
+    #: traces) uses that instead
     align: Callable | None = None
 
     @property
@@ -570,8 +572,9 @@ class HybridLane:
     """hybridkv's KVCacheManager (system python3 or any python with src/ on the path)."""
 
     def __init__(self, uncached_first: bool = True, hash_algo: str = "sha256", name: str | None = None,
-                 stripe_groups: bool = True, read_ids: bool = False, sched: bool = False):
+                 stripe_groups: bool = True, read_ids: bool = False, sched: bool = False, junction: bool = True):
         self.uncached_first = uncached_first
+        self.junction = junction  # state traces: False drops the shared-prefix junction (an experiment)
         self.hash_algo = hash_algo
         self.stripe_groups = stripe_groups
         self.read_ids = read_ids  # read every group's block ids after each allocation (as the scheduler does)
@@ -612,6 +615,20 @@ class HybridLane:
         self.free = kv.free
         # state checkpoints cached in a step may be hit only from the next one (vLLM's hook too)
         self.new_step = kv.new_step_starts if kv.coordinator.state_managers else _noop
+        if tr.align is not None and kv.coordinator.state_managers:
+            # our own chunk rule, as our scheduler asks it: the step budget, and the junction
+            # get_computed_blocks set on the request (request.shared_prefix_boundary)
+            align_new, budget = kv.align_num_new_tokens, tr.token_budget
+            self.align = lambda req, num_prompt, num_tokens, start, n: align_new(req, start, n, budget)
+            if not self.junction:
+                lookup = self.lookup
+
+                def lookup_no_junction(req):
+                    out = lookup(req)
+                    req.shared_prefix_boundary = 0
+                    return out
+
+                self.lookup = lookup_no_junction
         if self.sched:
             from hybridkv.core.kv_cache_manager import KVCacheBlocks
             from hybridkv.core.request import Request

@@ -1,22 +1,23 @@
 """State groups beside vLLM (``vs_vllm.py --state``): the Qwen3-Next trace (``_state_trace.py``)
 played on hybridkv and on vLLM 0.33's KVCacheManager (MambaSpec, "align" mode) in lock-step.
 
-On top of ``vs_vllm.PairLane``'s checks (hit tokens and null positions of every hit,
-allocation success or failure, free blocks after every call, table lengths and null
-positions, the id relabelling, cached-block counts) this checks at every call and
-checkpoint which table positions hold a *cached* (hashed) block, and, for every prefill
-chunk, four alignment rules: the driver's (``_state_trace.vllm_align``), vLLM's own
-``Scheduler._mamba_block_aligned_split`` (called on a stand-in scheduler), ours
-(``KVCacheManager.align_num_new_tokens``) and the notes' ``align_split``. The driver
-follows vLLM's; disagreements of the others are counted, not fatal (the managers then
-still see the same calls). Admissions refused because the hit's state was cached in the
-same step (vLLM's deferral) are counted too.
+Each side runs with its own scheduler rules: vLLM's lane stores ``get_computed_blocks``'
+third value in ``request.shared_prefix_boundary`` (the junction) and clips chunks with its
+``Scheduler._mamba_block_aligned_split`` (called on a stand-in scheduler with the trace's
+step budget); ours sets the junction in ``get_computed_blocks`` and clips with
+``KVCacheManager.align_num_new_tokens(..., max_num_batched_tokens)``. On top of
+``vs_vllm.PairLane``'s checks (hit tokens and null positions of every hit, allocation
+success or failure, the new blocks of every allocation, free blocks after every call, table
+lengths and null positions, the id relabelling, cached-block counts) this checks at every
+lookup that both found the same junction, at every prefill chunk that both rules cut it the
+same (else the run stops: the managers would see different calls), and at every call and
+checkpoint which table positions hold a *cached* (hashed) block. Chunks where
+``_state_trace.vllm_align`` (our transcription of vLLM's rule) differs from vLLM's own are
+counted, and so are admissions refused because the hit's state was cached in the same step
+(the deferral).
 
-``junction``: vLLM's scheduler also sets ``request.shared_prefix_boundary`` from
-``get_computed_blocks``' third value (full attention hit further than the state groups:
-a Marconi-style junction), stops the chunk there and, at retention 0, caches the state
-there. hybridkv has no junction; :func:`junction_experiment` plays the trace on each
-manager alone, vLLM with its junction, and compares hit tokens.
+:func:`junction_experiment` plays the trace on each manager alone, with and without its
+junction, and compares hit tokens.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ import time
 import traceback
 from types import SimpleNamespace
 
-from _state_trace import notes_align_split
+from _state_trace import vllm_align
 from _traces import Driver, HybridLane, TraceSpec
 from vs_vllm import Mismatch, PairLane, VllmLane
 
-__all__ = ["StatePairLane", "run_state_check", "junction_experiment", "vllm_scheduler_split",
+__all__ = ["StatePairLane", "run_state_check", "junction_experiment", "vllm_scheduler_split", "print_state_checks",
            "patch_vllm_deferral_by_block"]
 
 
@@ -75,7 +76,9 @@ def patch_vllm_deferral_by_block() -> None:
 
 def vllm_scheduler_split(tr: TraceSpec, junction: bool = False):
     """vLLM's ``Scheduler._mamba_block_aligned_split`` bound to a stand-in with this trace's
-    settings: ``split(request, n, num_new_local_computed_tokens)``."""
+    settings (``max_num_scheduled_tokens`` = the step budget): ``split(request, n,
+    num_new_local_computed_tokens)``. ``junction=False``: the request's junction is cleared
+    first (an experiment: vLLM without it)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     bs = tr.block_size
@@ -112,40 +115,49 @@ def _hashed_vllm(mgr, rid: str) -> list[list[bool]]:
 
 
 class StatePairLane(PairLane):
-    """PairLane + hashed positions + the four alignment rules (see the module docstring)."""
+    """PairLane + junctions, both sides' chunk rules and hashed positions (see the module docstring)."""
 
     def __init__(self, a, b, exact, **kw):
         super().__init__(a, b, exact, **kw)
-        self.align_disagree: dict[str, int] = {"vllm scheduler": 0, "hybridkv": 0, "notes": 0}
-        self.align_examples: dict[str, str] = {}
+        self.transcription_disagree = 0  # chunks where _state_trace.vllm_align != vLLM's own split
+        self.transcription_example = ""
         self.aligned_chunks = 0
+        self.waits = 0  # chunks both rules cut to 0 (the request waits for a step with more budget)
+        self.junction_stops = 0  # chunks both cut at the junction
+        self.junctions = 0  # lookups with a junction
         self.deferrals = 0
-        self.null_padding_calls = 0  # allocations whose new blocks differ only by vLLM's null padding
-        self.null_padding_example = ""
 
     def build(self, tr):
         super().build(tr)
         self.tr = tr
-        self.rule = tr.align
-        self.split = vllm_scheduler_split(tr)
+
+    def lookup(self, pair):
+        out = super().lookup(pair)
+        ja, jb = pair.a.shared_prefix_boundary, pair.b.shared_prefix_boundary
+        if ja != jb:
+            self._fail(f"junction {ja} (hybridkv) vs {jb} (vllm)")
+        self.junctions += ja > 0
+        return out
 
     def align(self, pair, num_prompt, num_tokens, start, n):
-        got = self.rule(pair, num_prompt, num_tokens, start, n)
+        got = self.A.align(pair.a, num_prompt, num_tokens, start, n)
         if start >= max(num_prompt, num_tokens - 1):
             return got
+        self.last_op = f"align({pair.rid}, prompt {num_prompt}, tokens {num_tokens}, computed {start}, n {n})"
         self.aligned_chunks += 1
+        v = self.B.align(pair.b, num_prompt, num_tokens, start, n)
+        if v != got:
+            self._fail(f"chunk {got} (hybridkv) vs {v} (vllm); junction {pair.a.shared_prefix_boundary}, "
+                       f"block {self.tr.block_size}, budget {self.tr.token_budget}")
         bs = self.tr.block_size
-        others = {
-            "vllm scheduler": self.split(pair.b, n, start - pair.b.num_computed_tokens),
-            "hybridkv": self.A.kv.align_num_new_tokens(pair.a, start, n),
-            "notes": notes_align_split(num_prompt, num_tokens, start, n, bs),
-        }
-        for k, v in others.items():
-            if v != got:
-                self.align_disagree[k] += 1
-                self.align_examples.setdefault(
-                    k, f"{pair.rid}: prompt {num_prompt}, tokens {num_tokens}, computed {start}, n {n} "
-                       f"(block {bs}): driver/vLLM rule {got}, {k} {v}")
+        t = vllm_align(pair.b, num_prompt, num_tokens, start, n, bs=bs, max_prefill=self.tr.token_budget)
+        if t != v:
+            self.transcription_disagree += 1
+            self.transcription_example = self.transcription_example or f"{self.last_op}: vLLM {v}, transcription {t}"
+        self.waits += got == 0
+        j = pair.a.shared_prefix_boundary
+        if start < j and 0 < got < n and got == (j - start) // bs * bs:
+            self.junction_stops += 1
         return got
 
     def _cmp_hashed(self, rid: str):
@@ -163,40 +175,17 @@ class StatePairLane(PairLane):
             self._cmp_hashed(rid)
 
     def alloc(self, pair, n, hit=0, blocks=None):
-        """PairLane.alloc's checks, except that vLLM's new blocks of a state group include the
-        null positions it appends (its worker's block table is append-only) where ours hold
-        only the real block: the real (non-null) new blocks are compared, the rest counted."""
-        self.last_op = f"allocate_slots({pair.rid}, n={n}, hit={hit})"
-        ba, bb = blocks if blocks is not None else (None, None)
-        out_a = self.A.alloc(pair.a, n, hit, ba)
-        out_b = self.B.alloc(pair.b, n, hit, bb)
-        self.calls += 1
-        if (out_a is None) != (out_b is None):
-            self._fail(f"allocation {'failed' if out_a is None else 'succeeded'} in hybridkv, "
-                       f"{'failed' if out_b is None else 'succeeded'} in vllm")
-        self._cmp_free()
+        """PairLane.alloc's checks (new blocks per group, null positions included, as both
+        return them), the cached positions of the request, and deferrals counted."""
+        out_a = super().alloc(pair, n, hit, blocks)
         if out_a is None:
+            ba = blocks[0] if blocks is not None else None
             if hit and ba is not None:
                 last = ba.blocks[1][-1] if ba.blocks[1] else None
                 if last is not None and any(last.block_id in m.cached_this_step
                                             for m in self.A.kv.coordinator.state_managers):
                     self.deferrals += 1
             return None
-        self.live[pair.rid] = pair
-        ga = [list(g) for g in out_a.blocks]
-        gb = [list(g) for g in out_b.blocks] if out_b.blocks else [[] for _ in range(self.num_groups)]
-        ra = [sum(not b.is_null for b in g) for g in ga]
-        rb = [sum(not b.is_null for b in g) for g in gb]
-        if ra != rb:
-            self._fail(f"real new blocks per group {ra} (hybridkv) vs {rb} (vllm)")
-        if [len(g) for g in ga] != [len(g) for g in gb]:
-            self.null_padding_calls += 1
-            self.null_padding_example = self.null_padding_example or (
-                f"{self.last_op}: new block ids hybridkv {out_a.get_block_ids()} vs vllm {out_b.get_block_ids()}")
-        if self.exact and [[b.block_id for b in g if not b.is_null] for g in ga] != \
-                [[b.block_id for b in g if not b.is_null] for g in gb]:
-            self._fail(f"new block ids {out_a.get_block_ids()} vs {out_b.get_block_ids()}")
-        self._cmp_tables(pair.rid, self.A.block_ids(pair.rid), self.B.block_ids(pair.rid), True)
         self._cmp_hashed(pair.rid)
         return out_a
 
@@ -220,63 +209,43 @@ def run_state_check(tr: TraceSpec, mode: str, full_every: int = 1) -> dict:
         out.update(ok=False, error=f"step {pair.step}, {pair.last_op}: {type(exc).__name__}: {exc} "
                                    f"(at {os.path.basename(where.filename)}:{where.lineno})")
     out.update(calls=pair.calls, checkpoints=pair.checkpoints, hits_a=pair.hits_a, hits_b=pair.hits_b,
-               chunks=pair.aligned_chunks, align=dict(pair.align_disagree), examples=dict(pair.align_examples),
-               deferrals=pair.deferrals, null_padding=(pair.null_padding_calls, pair.null_padding_example),
+               chunks=pair.aligned_chunks, waits=pair.waits, junctions=pair.junctions,
+               junction_stops=pair.junction_stops, deferrals=pair.deferrals,
+               transcription=(pair.transcription_disagree, pair.transcription_example),
                seconds=time.perf_counter() - t,
                cached=(a.num_cached_blocks(), b.num_cached_blocks()) if a.kv and b.mgr else None)
     return out
 
 
-class JunctionVllmLane(VllmLane):
-    """vLLM as its scheduler really drives it: the junction from get_computed_blocks is set
-    on the request, and chunks are clipped by vLLM's own split (which stops there)."""
-
-    def build(self, tr):
-        super().build(tr)
-        self.junctions = 0
-        lookup = self.mgr.get_computed_blocks
-
-        def lookup_j(req):
-            blocks, hit, boundary = lookup(req)
-            req.shared_prefix_boundary = boundary
-            self.junctions += boundary > 0
-            return blocks, hit, boundary
-
-        self.lookup = lookup_j
-        split = vllm_scheduler_split(tr, junction=True)
-        self.align = lambda req, p, t, start, n: split(req, n, start - req.num_computed_tokens)
-
-
 def junction_experiment(tr: TraceSpec) -> dict:
-    """Hit tokens of hybridkv (driver rule) and of vLLM with and without its junction, each alone."""
+    """Each manager alone on the trace, with its junction (as both schedulers run) and without
+    (``request.shared_prefix_boundary`` kept at 0): hit tokens, admissions, cached blocks."""
     out = {}
-    for key, lane in (("hybridkv", HybridLane()), ("vllm", VllmLane()), ("vllm+junction", JunctionVllmLane())):
+    lanes = (("hybridkv", HybridLane()), ("vllm", VllmLane()),
+             ("hybridkv, no junction", HybridLane(junction=False)), ("vllm, no junction", VllmLane(junction=False)))
+    for key, lane in lanes:
         res = Driver(tr, lane).run()
         out[key] = dict(hit=res.hit_tokens, query=res.query_tokens, admitted=res.admitted, finished=res.finished,
-                        preempt=res.preemptions, cached=lane.num_cached_blocks(),
-                        junctions=getattr(lane, "junctions", 0))
+                        preempt=res.preemptions, cached=lane.num_cached_blocks())
     return out
 
 
 def print_state_checks(checks) -> None:
-    print("\nState groups semantics check (step by step: every call's hit tokens, null positions, allocation "
-          "outcome, free count; tables, cached positions per group, cached count at checkpoints)")
-    hdr = (f"{'trace':5} {'mode':7} {'calls':>7} {'chunks':>6} {'hits hybridkv':>13} {'hits vLLM':>10} "
-           f"{'cached (h/v)':>12} {'defer':>5} {'preempt':>7}  result")
+    print("\nState groups semantics check (step by step, each side with its own scheduler rules: every call's "
+          "hit tokens, null positions, junction, allocation outcome and new blocks, free count; every prefill "
+          "chunk; tables, cached positions per group, cached count at checkpoints)")
+    hdr = (f"{'trace':5} {'mode':7} {'calls':>7} {'chunks':>6} {'waits':>5} {'junct':>5} {'j-stop':>6} "
+           f"{'hits hybridkv':>13} {'hits vLLM':>10} {'cached (h/v)':>12} {'defer':>5} {'preempt':>7}  result")
     print(hdr)
     print("-" * len(hdr))
     for c in checks:
         res = "agree" if c["ok"] else "DISAGREE: " + c["error"]
         cached = f"{c['cached'][0]}/{c['cached'][1]}" if c.get("cached") else "-"
-        print(f"{c['trace']:5} {c['mode']:7} {c['calls']:>7} {c['chunks']:>6} {c['hits_a']:>13} {c['hits_b']:>10} "
-              f"{cached:>12} {c['deferrals']:>5} {c.get('preemptions', '-'):>7}  {res}")
-    print("alignment rules vs the driver's (vLLM 0.33's plain-path split), prefill chunks that disagree:")
-    for c in checks:
-        print(f"  {c['trace']} {c['mode']}: " + ", ".join(f"{k} {v}/{c['chunks']}" for k, v in c["align"].items()))
-        for k, ex in c["examples"].items():
-            print(f"      e.g. {ex}")
-    print("allocations whose new blocks differ only by the null positions vLLM's state groups return "
-          "(hybridkv returns the real block only; tables agree):")
-    for c in checks:
-        n, ex = c["null_padding"]
-        print(f"  {c['trace']} {c['mode']}: {n} calls" + (f"; first: {ex}" if ex else ""))
+        print(f"{c['trace']:5} {c['mode']:7} {c['calls']:>7} {c['chunks']:>6} {c['waits']:>5} {c['junctions']:>5} "
+              f"{c['junction_stops']:>6} {c['hits_a']:>13} {c['hits_b']:>10} {cached:>12} {c['deferrals']:>5} "
+              f"{c.get('preemptions', '-'):>7}  {res}")
+    print("chunks: prefill chunks cut by both rules (equal, else the run stops); waits: cut to 0; junct: lookups "
+          "with a junction (equal on both sides); j-stop: chunks ended at the junction")
+    bad = [c for c in checks if c["transcription"][0]]
+    print("_state_trace.vllm_align vs vLLM's own split: " + ("equal on every chunk" if not bad else "; ".join(
+        f"{c['trace']} {c['mode']}: {c['transcription'][0]} chunks, e.g. {c['transcription'][1]}" for c in bad)))

@@ -3,17 +3,18 @@
 A state group (Gated DeltaNet, Mamba) can resume a request only from a cached checkpoint,
 the state after a whole number of blocks; ``prefix_cache_retention_interval`` chooses which
 ones are cached: ``None`` every block boundary a chunk ends on (dense), ``0`` only the
-prompt's last one (vLLM's default), ``k`` every ``k`` tokens and the prompt's last. Dense
-keeps more hits (a new conversation on a known system prompt can resume at the prompt's
-end only if a checkpoint was cached there) but fills the pool with state blocks, which
-then evict attention blocks.
+prompt's last one and the request's shared-prefix junction (vLLM's default; the junction is
+where full attention hit further than any state checkpoint, e.g. the end of a known system
+prompt's whole blocks: the scheduler stops the chunk there and the checkpoint is kept),
+``k`` every ``k`` tokens, the prompt's last and the junction. Dense keeps more hits but fills
+the pool with state blocks, which then evict attention blocks.
 
 This plays one multi-turn chat workload (closed loop: ``--users`` users, each a
 conversation of 2-6 turns on one of 8 Zipf-popular system prompts; the next turn, which
 extends the previous prompt and reply, arrives a few steps after the reply) through
 hybridkv's scheduler and the fake runner at a fixed pool, once per interval, and prints
 the prefix hit rate, the cached state checkpoints at the end, the mean pool usage and the
-steps to finish. Torch-free, about 20-40 s::
+steps to finish. Torch-free, about 10 s a pool::
 
     PYTHONPATH=src python3 benchmarks/state_retention.py [--pool 700] [--block 544]
 """

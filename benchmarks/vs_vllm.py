@@ -26,9 +26,11 @@ Run (from the repository root)::
     PYTHONPATH=src .venv-vllm/bin/python benchmarks/vs_vllm.py --state [--quick]  # state groups (~2 min)
 
 ``--state``: the Qwen3-Next traces of ``_state_trace.py`` (1 full + 3 Gated DeltaNet state
-groups, MambaSpec "align" mode in vLLM) at retention 0 and None, timed like the others, then
-checked step by step (``_vllm_state.py``: also cached positions per group and the chunk
-alignment rules) at blocks 544 and 16, and vLLM's junction checkpoints measured apart.
+groups, MambaSpec "align" mode in vLLM) at retention 0 and None, each side with its own
+scheduler rules (chunk alignment with the step budget, the shared-prefix junction), timed like
+the others, then checked step by step (``_vllm_state.py``: also junctions, every chunk and the
+cached positions per group) at blocks 544 and 16, and the junction's effect on hits measured
+apart.
 
 Semantics check modes:
 
@@ -98,8 +100,9 @@ SLICE = 10  # steps of one manager before the other's turn (the order flips ever
 class VllmLane:
     """vLLM 0.33's v1 KVCacheManager driven the way its scheduler drives it."""
 
-    def __init__(self, plain_lru: bool = False, name: str | None = None, sched: bool = False):
+    def __init__(self, plain_lru: bool = False, name: str | None = None, sched: bool = False, junction: bool = True):
         self.plain_lru = plain_lru
+        self.junction = junction  # state traces: False drops the shared-prefix junction (an experiment)
         self.sched = sched  # used as vLLM's scheduler uses it (see _traces.py's docstring)
         self.name = name or ("vllm(lru)" if plain_lru else "vllm") + ("+sched" if sched else "")
         self.mgr = None
@@ -146,6 +149,8 @@ class VllmLane:
         self.alloc = mgr.allocate_slots
         self.free = mgr.free
         self.new_step = mgr.new_step_starts
+        if tr.align is not None and any(g.kind == "state" for g in tr.groups):
+            self._scheduler_rules(tr)
         if self.sched:
             from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
@@ -154,6 +159,26 @@ class VllmLane:
             # (CachedRequestData), get_blocks(id).get_block_ids() for new ones (NewRequestData)
             self.new_ids = functools.partial(KVCacheBlocks.get_block_ids, allow_none=True)
             self.table_ids = mgr.get_block_ids
+
+    def _scheduler_rules(self, tr: TraceSpec) -> None:
+        """State traces: what vLLM's scheduler does around the manager in "align" mode. It
+        stores ``get_computed_blocks``' third value (the junction) in
+        ``request.shared_prefix_boundary`` (the manager keeps the checkpoint there) and clips
+        every chunk with its own ``Scheduler._mamba_block_aligned_split`` (block boundaries,
+        the step budget, the prompt's last checkpoint, the junction)."""
+        from _vllm_state import vllm_scheduler_split
+
+        split = vllm_scheduler_split(tr, junction=self.junction)
+        self.align = lambda req, num_prompt, num_tokens, start, n: split(req, n, start - req.num_computed_tokens)
+        if self.junction:
+            get = self.mgr.get_computed_blocks
+
+            def lookup(req):
+                out = get(req)
+                req.shared_prefix_boundary = out[2]
+                return out
+
+            self.lookup = lookup
 
     def make_request(self, rid: str, tokens: list[int]):
         r = self._Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=self._params,
@@ -671,13 +696,13 @@ def state_main(args, rounds: int, t0: float) -> int:
             ok = "agree" if c["ok"] else "DISAGREE"
             print(f"  [{name}] {mode}: {ok} ({c['seconds']:.0f} s)", flush=True)
     print_state_checks(checks)
-    print("\nvLLM's junction (shared_prefix_boundary set by its scheduler, retention 0), each manager alone:")
+    print("\nThe junction's effect (retention 0), each manager alone, with its junction (as both schedulers run) "
+          "and without:")
     for name in ("q0", "q0s"):
         for key, r in junction_experiment(make_state_trace(name, quick=args.quick)).items():
-            print(f"  {name} {key:14} hit tokens {r['hit']:>8} of {r['query']:>8} "
-                  f"({r['hit'] / max(1, r['query']):.3f}); "
-                  f"admitted {r['admitted']}, finished {r['finished']}, preempted {r['preempt']}, cached blocks "
-                  f"{r['cached']}" + (f", junctions {r['junctions']}" if key.endswith("junction") else ""))
+            print(f"  {name:3} {key:22} hit tokens {r['hit']:>8} of {r['query']:>8} "
+                  f"({r['hit'] / max(1, r['query']):.3f}); admitted {r['admitted']}, finished {r['finished']}, "
+                  f"preempted {r['preempt']}, cached blocks {r['cached']}", flush=True)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     return 0
 
