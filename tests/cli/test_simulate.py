@@ -64,3 +64,17 @@ def test_readme_long_doc_figures_under_both_admission_policies(capsys):
         figures[policy] = [(r["steps"], r["preemptions"], r["peak_running"]) for r in results]
     assert figures["full_prompt"] == [(473, 2, 43), (927, 2, 15)]
     assert figures["first_chunk"] == [(473, 2, 43), (919, 32, 15)]
+
+
+def test_simulate_a_state_model(capsys):
+    """Qwen3-Next (1 full + 3 Gated DeltaNet state groups, block 544): both layouts run the
+    chat workload to the end with prefix hits (state checkpoints restored); the all-full
+    layout keeps the states, so its figures equal the hybrid's."""
+    assert main(["simulate", "qwen3-next-80b-a3b", "--memory", "8GiB", "--workload", "chat", "--num-requests", "24",
+                 "--json", "--no-progress"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    hybrid, full = data["results"]
+    assert hybrid["finished"] == full["finished"] == 24 and hybrid["rejected"] == 0
+    assert hybrid["prefix_hit_rate"] > 0.3
+    for key in ("num_blocks", "steps", "generated_tokens", "prefix_hit_rate"):
+        assert hybrid[key] == full[key]
