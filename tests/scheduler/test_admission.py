@@ -79,7 +79,7 @@ def test_first_chunk_admission_starts_early_then_preempts():
         (6, [("B", 8, 12)], (), []),  # back with its 3 cached full blocks as a hit
         (7, [("B", 1, 20)], (), ["B"]),
     ]
-    assert s.num_preemptions == 1 and done["B"].num_cached_tokens == 12
+    assert s.num_preemptions == 1 and done["B"].num_cached_tokens == 0 and done["B"].last_hit_tokens == 12
     for rid, n in (("A", 6), ("B", 2)):
         assert done[rid].output_token_ids == [fake_token(rid, k) for k in range(n)]
 

@@ -73,7 +73,8 @@ def test_preemption_of_the_most_recent_request_and_exact_recompute():
     # B hits its first 2 blocks (8 tokens) and recomputes the 5 tokens after them
     assert trace[10] == (10, [("B", 5, 8)], (), [])
     assert trace[-1] == (14, [("B", 1, 16)], (), ["B"])
-    assert done["B"].num_preemptions == 1 and done["B"].num_cached_tokens == 8
+    # a response reports the first admission's hit (vLLM's num_cached_tokens): none
+    assert done["B"].num_preemptions == 1 and done["B"].num_cached_tokens == 0 and done["B"].last_hit_tokens == 8
     for rid in "AB":
         assert done[rid].output_token_ids == [fake_token(rid, i) for i in range(10)]
     assert s.num_preemptions == 1 and s.kv.num_free_blocks == 7

@@ -283,7 +283,7 @@ class LLMEngine:
         for sr in output.scheduled:  # admitted this step: count its prefix hit once
             seq = sched.sequences[sr.request_id]
             if seq.admitted_step == output.step:
-                self._usage.prefix_hit_tokens += seq.num_cached_tokens
+                self._usage.prefix_hit_tokens += seq.last_hit_tokens
         self._usage.sample(self.kv, (s.request_id for s in sched.running))  # this step's slots allocated
         sampled = self.runner.execute(output) if output.scheduled else {}
         finished = {seq.request_id: seq for seq in sched.update_from_output(output, sampled)}

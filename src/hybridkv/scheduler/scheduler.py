@@ -194,7 +194,9 @@ class Scheduler:
                 self.running.append(seq)
                 seq.status = SequenceStatus.RUNNING
                 seq.admitted_step = self.step_count
-                seq.num_cached_tokens = num_hit
+                if not seq.num_preemptions:
+                    seq.num_cached_tokens = num_hit
+                seq.last_hit_tokens = num_hit
                 req.num_computed_tokens = num_hit
                 work.append((seq, num_hit, num_new))
                 budget -= num_new

@@ -37,6 +37,7 @@ class Sequence:
         "finish_reason",
         "num_preemptions",
         "num_cached_tokens",
+        "last_hit_tokens",
     )
 
     def __init__(self, request: Request, sampling: SamplingParams, arrival_step: int = 0):
@@ -49,7 +50,10 @@ class Sequence:
         self.finished_step: int | None = None
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
-        self.num_cached_tokens = 0  # prefix-hit tokens at the last admission
+        #: prefix-hit tokens at the first admission (vLLM's ``num_cached_tokens``: what a
+        #: response reports as cached), and at the latest (after a preemption)
+        self.num_cached_tokens = 0
+        self.last_hit_tokens = 0
 
     @property
     def request_id(self) -> str:
