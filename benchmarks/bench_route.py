@@ -80,6 +80,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _tiny_model import tiny_model_dir  # noqa: E402
+
 POLICIES = ("round-robin", "least-loaded", "full-only", "hybrid", "oracle")
 READY_TIMEOUT = 300.0
 STOP_TIMEOUT = 30.0
@@ -437,16 +439,6 @@ def report(runs: dict[str, list[PolicyRun]], rounds: int) -> dict:
                 print(f"{name} index false residency (--decompose: predicted but not held by the replica at the "
                       f"decision): {sum(idx)} of {p_} = {_pct(sum(idx), p_).strip()}")
     return verdict
-
-
-def tiny_model_dir(path: Path) -> str:
-    sys.path.insert(0, str(ROOT / "tests" / "engine"))
-    from _hf_tiny import build_tiny
-    from _tiny_tokenizer import write_tokenizer
-
-    build_tiny("gemma3", path)
-    write_tokenizer(path)
-    return str(path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _tiny_model import tiny_model_dir  # noqa: E402
 
 READY_TIMEOUT = 300.0  # model load included
 STOP_TIMEOUT = 60.0
@@ -255,16 +258,6 @@ def report(c: int, runs: dict[str, list[LaneRun]]) -> float:
 
 
 # --------------------------------------------------------------------------------- main
-def tiny_model_dir(path: Path) -> str:
-    sys.path.insert(0, str(ROOT / "tests" / "engine"))
-    from _hf_tiny import build_tiny
-    from _tiny_tokenizer import write_tokenizer
-
-    build_tiny("gemma3", path)
-    write_tokenizer(path)
-    return str(path)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the tiny test model, short prompts, 2 rounds")

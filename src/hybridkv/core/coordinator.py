@@ -104,7 +104,8 @@ class KVCacheCoordinator:
 
     def find_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[dict, int]:
         """The hit as {manager: its first group's blocks (stripe leads, nulls)} and its length."""
-        return self.find_hit_and_junction(block_hashes, max_length)[:2]
+        hit, length, _ = self._find_hit(block_hashes, max_length, None)
+        return hit, length
 
     def find_hit_and_junction(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[dict, int, int]:
         """:meth:`find_hit` and the *junction*: the longest hit one manager found on the way
@@ -112,11 +113,14 @@ class KVCacheCoordinator:
         A state group lacking the checkpoint there is what cut the hit: caching one at the
         junction lets the next request sharing that prefix hit all of it (vLLM's
         ``shared_prefix_boundary``)."""
+        return self._find_hit(block_hashes, max_length, [])
+
+    def _find_hit(self, block_hashes: Sequence[BlockHash], max_length: int, seen: list[int] | None) -> tuple[dict, int, int]:
+        """The hit, its length and, when ``seen`` is a list, the junction (else 0)."""
         if not self.enable_caching or max_length < self.block_size:
             return {}, 0, 0
-        seen: list[int] = []
         found, length = fixed_point_hit(self.find_order, block_hashes, max_length, seen=seen)
-        junction = max(seen, default=0)
+        junction = max(seen, default=0) if seen else 0
         junction = junction if junction > length else 0
         if self.use_eagle and length > 0:
             # EAGLE recomputes at least the last hit block; the shorter hit must

@@ -451,9 +451,7 @@ class KVCacheManager:
         evicted before its head, as when a request frees its blocks.
         """
         self._check_request(request)
-        if not self.enable_caching or request.num_tokens < 2:
-            return 0
-        hit, num_hit = self.coordinator.find_hit(request.block_hashes, request.num_tokens - 1)
+        hit, num_hit = self.coordinator.find_hit(request.block_hashes, request.num_tokens - 1)  # {} without caching
         for leads in hit.values():
             self.pool.refresh(leads[::-1])
         return num_hit

@@ -37,15 +37,19 @@ class PrefixPins:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._pins
 
+    def __iter__(self):
+        """The pinned requests' ids, oldest pin first."""
+        return iter(self._pins)
+
     def pin(self, request: Request) -> int:
         """Hold the request's current prefix hit (at most ``num_tokens - 1`` tokens, whole
         blocks, valid for every group); the pinned tokens (0: nothing to pin). A request
         pinned already keeps its pin."""
         coord = self.coordinator
         rid = request.request_id
-        if rid in self._pins or not coord.enable_caching or request.num_tokens < 2:
+        if rid in self._pins:
             return 0
-        hit, num_hit = coord.find_hit(request.block_hashes, request.num_tokens - 1)
+        hit, num_hit = coord.find_hit(request.block_hashes, request.num_tokens - 1)  # {} without caching
         if not num_hit:
             return 0
         for leads in hit.values():

@@ -309,7 +309,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or not self.kv.has_request(seq.request_id):
                 raise InvariantViolation(f"running {seq} holds no blocks")
         waiting = set(waiting_ids)
-        if any(rid not in waiting for rid in self.kv.pins._pins):
+        if any(rid not in waiting for rid in self.kv.pins):
             raise InvariantViolation("a pinned prefix hit belongs to no waiting request")
         for seq in self.waiting:
             if seq.status not in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED) or self.kv.has_request(seq.request_id):

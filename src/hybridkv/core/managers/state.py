@@ -50,13 +50,13 @@ from typing import Sequence
 
 from hybridkv.core.block_pool import KVCacheBlock
 from hybridkv.core.hashing import BlockHash
-from hybridkv.core.managers.base import AttentionManager, RequestBlocks
+from hybridkv.core.managers.base import NEVER, AttentionManager, RequestBlocks
 from hybridkv.core.request import Request
 from hybridkv.core.specs import cdiv
 from hybridkv.core.state_spec import StateSpec
 from hybridkv.errors import InvalidConfigError, InvariantViolation
 
-__all__ = ["StateManager", "aligned_num_new_tokens", "check_retention_interval"]
+__all__ = ["StateManager", "aligned_num_new_tokens", "check_retention_interval", "last_checkpoint"]
 
 
 def check_retention_interval(interval: object, block_size: int) -> None:
@@ -68,6 +68,12 @@ def check_retention_interval(interval: object, block_size: int) -> None:
             f"prefix_cache_retention_interval must be None (every block), 0 (the prompt's last block) "
             f"or a positive multiple of the block size {block_size}, got {interval!r}"
         )
+
+
+def last_checkpoint(num_tokens: int, block_size: int) -> int:
+    """The last block boundary before a sequence's final token, where its prefill's last
+    checkpoint sits: 14 tokens, block 4 -> 12; 13 -> 12; 12 -> 8."""
+    return (num_tokens - 1) // block_size * block_size
 
 
 def aligned_num_new_tokens(num_computed: int, num_new: int, num_prompt_tokens: int, num_tokens: int,
@@ -96,7 +102,7 @@ def aligned_num_new_tokens(num_computed: int, num_new: int, num_prompt_tokens: i
         aligned = end // bs * bs
         if aligned > start or (max_num_batched_tokens is not None and bs <= max_num_batched_tokens):
             end = aligned
-    last = (num_tokens - 1) // bs * bs
+    last = last_checkpoint(num_tokens, bs)
     stops = [cdiv(start, bs) * bs if start % bs else 0, last]
     if start < junction < end:
         stops.append(start + (junction - start) // bs * bs)
@@ -141,7 +147,7 @@ class StateManager(AttentionManager):
         if interval is None:
             return True
         end = (index + 1) * self.block_size
-        if end == (request.num_prompt_tokens - 1) // self.block_size * self.block_size:
+        if end == last_checkpoint(request.num_prompt_tokens, self.block_size):
             return True
         if end == request.shared_prefix_boundary:
             return True
@@ -164,7 +170,7 @@ class StateManager(AttentionManager):
             return self.width if need > 0 else 0
         last = new_computed_blocks[-1]
         if last.block_id in self.cached_this_step:
-            return 1 << 62
+            return NEVER
         return ((need > len(new_computed_blocks)) + (last.ref_cnt == 0)) * self.width
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
