@@ -3,7 +3,8 @@
     python3 benchmarks/bench_route.py [--quick] [--model NAME|DIR] [--replicas 3] [--rounds 2]
                                       [--policies round-robin,least-loaded,full-only,hybrid,oracle]
                                       [--clients 6] [--open 4] [--conversations 48] [--turns 5]
-                                      [--num-blocks N] [--max-imbalance 2] [--no-route-cost]
+                                      [--num-blocks N[,N...]] [--max-imbalance 2] [--decompose]
+                                      [--systems 3] [--no-route-cost]
 
 One seeded workload goes through ``hybridkv route`` with each policy in turn:
 
@@ -44,6 +45,20 @@ obtained hits, strictly more than full-only, false residency < 1% of predicted. 
 router's own cost (``benchmarks/route_cost.py``): µs per routing decision at 8 replicas x
 100k indexed blocks each.
 
+``--decompose``: the hybrid and full-only routers also ask the chosen replica's manager at
+each decision (``route --shadow-peek``), and the replicas log each finished request's hits
+(``serve --log-level debug``: when queued, at the first and last admission; joined to the
+response by its id, which names the engine request). Printed per policy: where the
+predicted hit tokens went: not held by the replica at the decision (the index's error),
+lost between the decision and the replica queueing the request (the request in transit
+while the replica's steps evict), lost while queued, and preemptions.
+
+``--num-blocks 256,1024``: the whole benchmark at each pool size in turn, then the targets
+side by side. The pool size sets the regime: a small pool (the working set several times
+the pool) evicts sliding-window blocks that a full-only index still counts, and also
+evicts, within the tens of milliseconds a request spends between the router and the
+replica's scheduler on this 2-core machine, hits that even the oracle saw.
+
 ``--max-imbalance`` (default 2): a hit may put at most this many more in-flight requests on
 a replica than on the least loaded. With 6 clients over 3 replicas (2 each on average) a
 hit wins unless its replica already runs 2 more than another; larger values pile chats of
@@ -65,6 +80,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -151,7 +167,8 @@ class Setup:
         p = Proc("serve", [self.model, "--port", str(http), "--served-model-name", "bench", "--block-size",
                            str(self.block_size), "--num-blocks", str(self.num_blocks), "--max-num-seqs",
                            str(self.max_num_seqs), "--max-model-len", str(self.max_model_len),
-                           "--kv-events", f"tcp://127.0.0.1:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}"],
+                           "--kv-events", f"tcp://127.0.0.1:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
+                           *(["--log-level", "debug"] if self.decompose else [])],
                  self.threads)
         return p, f"http://127.0.0.1:{http},tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}"
 
@@ -272,6 +289,10 @@ class Rec:
     ttft: float
     end: float
     resident: int | None = None  # the replica's own hit at the decision (--decompose)
+    response_id: str = ""
+    queued: int | None = None  # the replica's hit when it queued the request (--decompose, its debug log)
+    last: int | None = None  # ... at its last admission
+    preemptions: int | None = None
 
 
 @dataclass
@@ -299,12 +320,13 @@ class PolicyRun:
         return sum(max(0, r.predicted - r.resident) for r in self.recs)
 
 
-async def _one(client, messages: list[dict], max_tokens: int) -> tuple[str, int, dict | None, float, int | None]:
+async def _one(client, messages: list[dict], max_tokens: int) -> tuple[str, int, dict | None, float, int | None, str]:
     body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
     first = None
     usage = None
+    rid = ""
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
@@ -320,13 +342,14 @@ async def _one(client, messages: list[dict], max_tokens: int) -> tuple[str, int,
             obj = json.loads(data)
             if "error" in obj:
                 raise RuntimeError(f"stream error: {obj['error']}")
+            rid = rid or obj.get("id", "")
             if obj.get("choices") and first is None:
                 first = time.perf_counter()
             if obj.get("usage"):
                 usage = obj["usage"]
     if usage is None or first is None:
         raise RuntimeError("no usage / no token in the stream")
-    return replica, predicted, usage, first - sent, None if resident is None else int(resident)
+    return replica, predicted, usage, first - sent, None if resident is None else int(resident), rid
 
 
 async def _drive(base_url: str, work: Workload, max_tokens: int, run: PolicyRun) -> None:
@@ -339,18 +362,36 @@ async def _drive(base_url: str, work: Workload, max_tokens: int, run: PolicyRun)
         async def worker(sched) -> None:
             for k, t, messages in sched:
                 try:
-                    replica, predicted, usage, ttft, resident = await _one(client, messages, max_tokens)
+                    replica, predicted, usage, ttft, resident, rid = await _one(client, messages, max_tokens)
                 except (RuntimeError, httpx.HTTPError) as exc:
                     run.errors.append(f"conv {k} turn {t}: {exc}")
                     continue
                 details = usage.get("prompt_tokens_details") or {}
                 run.recs.append(Rec(k, t, replica, predicted, int(details.get("cached_tokens") or 0),
                                     usage["prompt_tokens"], usage["completion_tokens"], ttft, time.perf_counter(),
-                                    resident))
+                                    resident, rid))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker(s) for s in work.schedules))
         run.wall = time.perf_counter() - start
+
+
+_FINISHED = re.compile(r"request (\S+)-0 \w+: \d+ prompt tokens; prefix hit (\d+) when queued, (\d+) at admission, "
+                       r"(\d+) at the last admission \((\d+) preemptions\)")
+
+
+def _join_replica_logs(run: PolicyRun, logs: list[list[str]]) -> None:
+    """Each request's hits on the replica's side (its ``--log-level debug`` line at finish),
+    joined by the response id (the engine names a request after it)."""
+    found = {}
+    for lines in logs:
+        for line in lines:
+            m = _FINISHED.search(line)
+            if m:
+                found[m.group(1)] = tuple(int(x) for x in m.groups()[1:])
+    for r in run.recs:
+        if r.response_id in found:
+            r.queued, _, r.last, r.preemptions = found[r.response_id]
 
 
 def run_policy(setup: Setup, policy: str, work: Workload, max_tokens: int, rnd: int) -> PolicyRun:
@@ -365,6 +406,8 @@ def run_policy(setup: Setup, policy: str, work: Workload, max_tokens: int, rnd: 
         run.state = cluster.replica_state()
     finally:
         cluster.stop()
+    if setup.decompose:
+        _join_replica_logs(run, [p.lines for p in cluster.procs[:-1]])
     for b, a in zip(before["replicas"], run.state["replicas"]):  # index drops during the workload only
         delta = {k: n - b["index_resets"].get(k, 0) for k, n in a["index_resets"].items()}
         a["index_resets"] = {k: n for k, n in delta.items() if n}
@@ -382,6 +425,49 @@ def run_policy(setup: Setup, policy: str, work: Workload, max_tokens: int, rnd: 
 # -------------------------------------------------------------------------------- report
 def _pct(a: float, b: float) -> str:
     return f"{100 * a / b:5.1f}%" if b else "    -"
+
+
+def decomposition(runs: dict[str, list[PolicyRun]]) -> None:
+    """--decompose: where each policy's predicted hit tokens went. Per request, the chain
+    predicted -> held by the replica at the decision (its manager, asked right after; the
+    prediction for the oracle) -> held when the replica queued it -> obtained at its first
+    admission; each step's loss counts what the next one no longer holds of the previous."""
+    rows = []
+    for policy, rs in runs.items():
+        recs = [r for run in rs for r in run.recs if r.predicted]
+        if not recs or any(r.queued is None for r in recs):
+            continue
+        index = transit = queue = 0
+        for r in recs:
+            held = min(r.predicted, r.predicted if r.resident is None else r.resident)
+            index += r.predicted - held
+            at_queue = min(held, r.queued)
+            transit += held - at_queue
+            queue += at_queue - min(at_queue, r.obtained)
+        pred = sum(r.predicted for r in recs)
+        pre = sum(1 for r in recs if r.preemptions)
+        lost = sum(1 for r in recs if min(r.predicted, r.queued) > r.obtained)
+        rows.append(f"{policy:12} {pred:>9} {index:>7} ({_pct(index, pred)}) {transit:>7} ({_pct(transit, pred)}) "
+                    f"{queue:>7} ({_pct(queue, pred)})  {lost:>4} of {len(recs)} requests lost hits while queued; "
+                    f"{pre} preempted")
+    if rows:
+        print(f"\nwhere predicted hit tokens went (--decompose)\n{'policy':12} {'predicted':>9} {'not held at decision':>17} "
+              f"{'lost before queued':>17} {'lost while queued':>17}")
+        print("\n".join(rows))
+
+
+def summary(verdicts: dict[int, dict]) -> None:
+    """The targets at each pool size, side by side."""
+    def pct(v):
+        return "-" if v is None else f"{100 * v:.1f}%"
+
+    print(f"\n{'blocks':>6} {'hybrid/oracle':>13} {'hybrid - full-only per round':>30} {'hybrid false':>12} "
+          f"{'index error':>11} {'oracle false':>12}")
+    for n, v in verdicts.items():
+        ratio = v.get("hybrid_over_oracle")
+        print(f"{n:>6} {'-' if ratio is None else f'{ratio:.3f}':>13} {str(v.get('hybrid_minus_full_only_rounds', '-')):>30} "
+              f"{pct(v.get('hybrid_false_residency')):>12} {pct(v.get('hybrid_index_false_residency')):>11} "
+              f"{pct(v.get('oracle_false_residency')):>12}")
 
 
 def report(runs: dict[str, list[PolicyRun]], rounds: int) -> dict:
@@ -402,6 +488,7 @@ def report(runs: dict[str, list[PolicyRun]], rounds: int) -> dict:
         print(f"{policy:12} {len(recs):>8} {prompt:>10} {obtained:>11} ({_pct(obtained, prompt)}) {predicted:>13} "
               f"{false:>11} ({_pct(false, predicted)}) {ttft * 1e3:>7.1f} ms {len(recs) / wall:>7.2f} {out / wall:>9.1f}"
               f"  {' '.join(f'{k}:{v}' for k, v in sorted(spread.items()))}")
+    decomposition(runs)
     verdict: dict = {}
     if "hybrid" in runs:
         hyb = runs["hybrid"]
@@ -417,6 +504,7 @@ def report(runs: dict[str, list[PolicyRun]], rounds: int) -> dict:
             ratios = [h.total("obtained") / f.total("obtained") if f.total("obtained") else float("nan")
                       for h, f in zip(hyb, runs["full-only"])]
             verdict["hybrid_minus_full_only"] = statistics.median(diffs)
+            verdict["hybrid_minus_full_only_rounds"] = diffs
             print(f"hybrid - full-only obtained hit tokens: median {statistics.median(diffs):+.0f} "
                   f"({statistics.median(ratios):.3f}x) per round {diffs} (target > 0: "
                   f"{'met' if min(diffs) > 0 else 'MISSED' if max(diffs) <= 0 else 'met in some rounds'})")
@@ -427,6 +515,7 @@ def report(runs: dict[str, list[PolicyRun]], rounds: int) -> dict:
         if "oracle" in runs:
             o_pred = sum(r.total("predicted") for r in runs["oracle"])
             o_false = sum(r.false_residency for r in runs["oracle"])
+            verdict["oracle_false_residency"] = o_false / o_pred if o_pred else 0.0
             floor = (f"; the oracle's, exact when asked, is {_pct(o_false, o_pred).strip()}: hits evicted between "
                      f"the decision and the replica scheduling the request")
         print(f"hybrid false residency: {false} of {pred} predicted hit tokens = {_pct(false, pred).strip()} "
@@ -455,7 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--open", type=int, default=4, help="chats each client keeps open, in rotation (default 4)")
     ap.add_argument("--max-tokens", type=int, default=8, help="new tokens per request (default 8)")
     ap.add_argument("--block-size", type=int, default=4)
-    ap.add_argument("--num-blocks", type=int, default=256, help="KV cache blocks per replica (default 256)")
+    ap.add_argument("--num-blocks", default="256", metavar="N[,N...]",
+                    help="KV cache blocks per replica; several (comma-separated): the whole benchmark at each pool "
+                         "size in turn, then the targets side by side (default 256)")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-imbalance", type=int, default=2)
@@ -477,28 +568,39 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (1 if args.quick else 2)
     conversations = args.conversations or (24 if args.quick else 48)
     turns = args.turns or (4 if args.quick else 5)
+    try:
+        sizes = [int(x) for x in args.num_blocks.split(",")]
+    except ValueError:
+        ap.error(f"--num-blocks takes block counts separated by commas, got {args.num_blocks!r}")
     work = make_workload(args.seed, args.systems, conversations, turns, args.clients, args.open)
+    verdicts: dict[int, dict] = {}
+    by_size: dict[int, dict[str, list[PolicyRun]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-route-") as tmp:
         model = args.model or tiny_model_dir(Path(tmp))
-        setup = Setup(model, args.replicas, args.block_size, args.num_blocks, args.max_num_seqs, args.max_model_len,
-                      args.max_imbalance, args.threads, args.decompose)
-        print(f"model {model if args.model else 'tiny gemma3 (sliding window 12 + full)'}; {args.replicas} replicas, "
-              f"block {args.block_size}, {args.num_blocks} blocks each, max_num_seqs {args.max_num_seqs}; "
-              f"{args.systems} system prompts, {conversations} chats x {turns} turns = {work.num_requests} requests, "
-              f"{args.clients} clients x {args.open} open chats, {args.max_tokens} new tokens; "
-              f"--max-imbalance {args.max_imbalance}; {rounds} round(s), policies rotated each round", flush=True)
-        runs: dict[str, list[PolicyRun]] = {p: [] for p in policies}
-        t0 = time.perf_counter()
-        for rnd in range(rounds):
-            order = policies[rnd % len(policies):] + policies[:rnd % len(policies)]
-            for p in order:
-                runs[p].append(run_policy(setup, p, work, args.max_tokens, rnd))
-        print(f"all runs: {time.perf_counter() - t0:.0f} s")
-    report(runs, rounds)
+        for num_blocks in sizes:
+            setup = Setup(model, args.replicas, args.block_size, num_blocks, args.max_num_seqs, args.max_model_len,
+                          args.max_imbalance, args.threads, args.decompose)
+            print(f"\nmodel {model if args.model else 'tiny gemma3 (sliding window 12 + full)'}; {args.replicas} "
+                  f"replicas, block {args.block_size}, {num_blocks} blocks each, max_num_seqs {args.max_num_seqs}; "
+                  f"{args.systems} system prompts, {conversations} chats x {turns} turns = {work.num_requests} requests, "
+                  f"{args.clients} clients x {args.open} open chats, {args.max_tokens} new tokens; "
+                  f"--max-imbalance {args.max_imbalance}; {rounds} round(s), policies rotated each round", flush=True)
+            runs: dict[str, list[PolicyRun]] = {p: [] for p in policies}
+            t0 = time.perf_counter()
+            for rnd in range(rounds):
+                order = policies[rnd % len(policies):] + policies[:rnd % len(policies)]
+                for p in order:
+                    runs[p].append(run_policy(setup, p, work, args.max_tokens, rnd))
+            print(f"all runs: {time.perf_counter() - t0:.0f} s")
+            verdicts[num_blocks] = report(runs, rounds)
+            by_size[num_blocks] = runs
+    if len(sizes) > 1:
+        summary(verdicts)
     if args.json:
-        Path(args.json).write_text(json.dumps({p: [{"round": run.round, "wall": run.wall, "state": run.state,
-                                                    "recs": [r.__dict__ for r in run.recs]} for run in rs]
-                                               for p, rs in runs.items()}))
+        Path(args.json).write_text(json.dumps({n: {p: [{"round": run.round, "wall": run.wall, "state": run.state,
+                                                        "recs": [r.__dict__ for r in run.recs]} for run in rs]
+                                                   for p, rs in runs.items()} for n, runs in by_size.items()}))
+    runs = {p: [run for runs in by_size.values() for run in runs[p]] for p in policies}
     bad = {p: sum(r["bad_events"] for run in rs for r in run.state.get("replicas", [])) for p, rs in runs.items()}
     resets = {f"{p} round {run.round + 1}": {r["name"]: r["index_resets"] for r in run.state.get("replicas", [])
                                              if r["index_resets"]}

@@ -101,12 +101,14 @@ def test_scheduler_keeps_a_queued_requests_prefix_through_the_queue_ahead(policy
         sched.add_request("big", list(range(200, 241)), two)  # 41 + 2 tokens: 11 blocks
         sched.add_request("want", list(range(9)), two)        # queued behind it, hit 8 if kept
         assert kv.pool.num_free_blocks == (11 if policy == "pin" else 13)  # a pin holds the 2 blocks
+        assert sched.sequences["want"].arrival_hit_tokens == (0 if policy == "none" else 8)  # the hit when queued
         seen = {}
         for _ in range(60):
             out = sched.schedule()
             for sr in out.scheduled:
                 seq = sched.sequences[sr.request_id]
                 seen.setdefault(sr.request_id, seq.num_cached_tokens)
+                assert seq.last_hit_tokens == seq.num_cached_tokens  # admitted once
             sched.update_from_output(out, {sr.request_id: 1 for sr in out.scheduled if sr.sample})
             sched.check_invariants()
             if not sched.has_unfinished_requests():

@@ -171,13 +171,16 @@ def test_pick_takes_the_largest_hit_within_the_imbalance(seed):
     for r in replicas:
         r.in_flight = rng.randint(0, 12)
     hits = [rng.choice([0, 0, 16, 32, 64]) for _ in replicas]
+    affinity = [h + rng.choice([0, 0, 8, 40]) for h in hits] if seed % 2 else None  # hybrid: the full-only hit
     imbalance = rng.randint(0, 5)
-    chosen, hit = pick(replicas, hits, imbalance, rng.randint(0, 9))
+    chosen, hit = pick(replicas, hits, imbalance, rng.randint(0, 9), affinity)
     least = min(r.in_flight for r in replicas)
-    eligible = [(h, r) for h, r in zip(hits, replicas) if r.in_flight <= least + imbalance]
+    key = list(zip(hits, affinity or [0] * len(hits)))
+    eligible = [(k, r) for k, r in zip(key, replicas) if r.in_flight <= least + imbalance]
     assert chosen.in_flight <= least + imbalance
-    assert hit == hits[replicas.index(chosen)] == max(h for h, _ in eligible)
-    assert chosen.in_flight == min(r.in_flight for h, r in eligible if h == hit)
+    best = max(k for k, _ in eligible)
+    assert hit == hits[replicas.index(chosen)] == best[0] and key[replicas.index(chosen)] == best
+    assert chosen.in_flight == min(r.in_flight for k, r in eligible if k == best)
 
 
 def test_least_loaded_and_round_robin_spread_requests():
@@ -226,3 +229,71 @@ def test_shadow_peek_reports_what_the_replica_held_at_the_decision():
     ids, text = asyncio.run(main())
     assert ids.headers["x-hybridkv-resident-hit"] == "7" and ids.headers["x-hybridkv-predicted-hit"] == "0"
     assert "x-hybridkv-resident-hit" not in text.headers  # no token ids: nothing to ask
+
+
+def test_a_client_that_leaves_before_the_replica_answers_is_not_counted_in_flight():
+    """The request is cancelled while the router waits for the replica's response head:
+    the replica's in-flight count goes back down (else least-loaded would shun it)."""
+    entered = asyncio.Event()
+
+    async def hanging(request):
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        entered.set()
+        await asyncio.sleep(3600)
+
+    from hybridkv.router.app import create_router_app
+
+    router = Router([ReplicaSpec("http://r0:8000")], RouterConfig(policy="least-loaded", health_interval=60),
+                    transport=httpx.MockTransport(hanging))
+    app = create_router_app(router)
+
+    async def main():
+        await router.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+                task = asyncio.create_task(c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}))
+                await asyncio.wait_for(entered.wait(), 10)
+                during = router.replicas[0].in_flight
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                return during, router.replicas[0].in_flight
+        finally:
+            await router.stop()
+
+    assert asyncio.run(main()) == (1, 0)
+
+
+def test_hybrid_breaks_hit_ties_towards_the_replica_holding_the_chain():
+    """A conversation's full-attention chain is still on r0 but the sliding-window blocks
+    its hit needs were evicted: the hit is 0 on both replicas. The hybrid policy keeps
+    it on r0 (the longest full-attention residency breaks the tie before load), where
+    its next turn will hit; least-loaded alone would move it to r1."""
+    from hybridkv.router.index import Prompt
+    from hybridkv.server.kv_events import BlockStored
+
+    tokens = list(range(1, 22))  # 5 blocks of 4 and one token
+
+    def stored(gid, kind, span, first, n, parent, seq):
+        return BlockStored(block_hashes=[f"{seq}{i}".encode() for i in range(first, first + n)], parent_block_hash=parent,
+                           token_ids=seq[first * 4:(first + n) * 4], block_size=4, lora_id=None, medium="GPU",
+                           lora_name=None, group_idx=gid, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=span)
+
+    replicas = [Replica(f"r{i}", ReplicaSpec(f"http://r{i}:1")) for i in range(2)]
+    other = list(range(100, 121))
+    replicas[0].on_events([stored(0, "full_attention", None, 0, 5, None, tokens),  # its window blocks: evicted
+                           stored(1, "sliding_window", 8, 0, 5, None, other)])
+    replicas[1].on_events([stored(0, "full_attention", None, 0, 5, None, other),
+                           stored(1, "sliding_window", 8, 0, 5, None, other)])
+    replicas[0].in_flight = 1
+    prompt = Prompt(tokens)
+    assert [r.score(prompt) for r in replicas] == [0, 0]
+    assert [r.score_full_only(prompt) for r in replicas] == [20, 0]
+
+    async def main():
+        hybrid = make_policy("hybrid", max_imbalance=2)
+        return (await hybrid.choose(prompt, replicas), await make_policy("least-loaded").choose(prompt, replicas))
+
+    (chosen, hit), (loaded, _) = asyncio.run(main())
+    assert (chosen.name, hit, loaded.name) == ("r0", 0, "r1")

@@ -4,6 +4,8 @@ offline engine's on the same tiny model."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 from hybridkv.scheduler.interface import SamplingParams
 
@@ -221,3 +223,33 @@ def test_kv_cache_peek_is_the_hit_a_request_gets(tiny_llm):
     assert peek["cached_tokens"] == again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert peek["prompt_tokens"] == again["usage"]["prompt_tokens"]
     assert [r.status_code for r in bad] == [400] * 5 and raw.status_code == 400
+
+
+def test_engine_requests_are_named_after_their_response_and_log_their_hits(tiny_llm, caplog):
+    """The engine's request ids are the response's id + ``-{i}`` (vLLM's naming), so the
+    replica's debug line for each finished request (its prefix hit when queued, at its
+    first and last admission) joins the response a client or router saw."""
+    prompt = "a prompt long enough to fill a few blocks of the cache"
+
+    async def body(client, front, app):
+        first = (await client.post("/v1/completions", json={"prompt": [prompt, "other"], "max_tokens": 2})).json()
+        again = (await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})).json()
+        chat = (await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                               "max_tokens": 2, "stream": True})).text
+        return first, again, json.loads(chat.split("\n\n")[0][len("data: "):])["id"]
+
+    with caplog.at_level(logging.DEBUG, logger="hybridkv.server"):
+        (first, again, chat_id), _ = run_app(tiny_llm, body)
+    lines = {}
+    for record in caplog.records:
+        m = re.fullmatch(r"request (\S+) (\w+): (\d+) prompt tokens; prefix hit (\d+) when queued, (\d+) at admission, "
+                         r"(\d+) at the last admission \((\d+) preemptions\); (\d+) output tokens", record.getMessage())
+        if m:
+            lines[m.group(1)] = m.groups()[1:]
+    assert set(lines) == {f"{first['id']}-0", f"{first['id']}-1", f"{again['id']}-0", f"{chat_id}-0"}
+    reason, num_prompt, queued, admitted, last, preemptions, num_out = lines[f"{again['id']}-0"]
+    assert (reason, int(num_out), int(preemptions)) == ("length", 2, 0)
+    assert int(num_prompt) == again["usage"]["prompt_tokens"]
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert int(admitted) == int(last) == cached > 0  # the repeated prompt hit its first run's blocks
+    assert int(queued) == 0  # this engine keeps no queued prefix (queued_prefix "none")

@@ -110,6 +110,10 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None  # None: aborted before its first token
     finished_time: float = 0.0
+    #: the prefix hit when it was queued (``SchedulerConfig.queued_prefix`` refresh / pin; 0
+    #: with none) and at its latest admission (``num_cached_tokens`` is the first's)
+    arrival_hit_tokens: int = 0
+    last_hit_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -267,6 +271,8 @@ class LLMEngine:
             progress.arrival_time,
             progress.first_token_time,
             now,
+            seq.arrival_hit_tokens,
+            seq.last_hit_tokens,
         )
 
     def step_deltas(self, on_scheduled: Callable[[], None] | None = None) -> list[RequestDelta]:

@@ -133,6 +133,9 @@ def create_router_app(router: Router) -> FastAPI:
                 replica.num_failures += 1
                 metrics.requests.labels(replica.name, "error").inc()
                 return _error(502, f"replica {replica.name} failed: {exc.__class__.__name__}", "server_error")
+            except BaseException:  # cancelled (the client left) before the replica answered
+                replica.in_flight -= 1
+                raise
             break
         replica.num_requests += 1
         metrics.predicted.labels(replica.name).inc(predicted)

@@ -16,6 +16,15 @@ The hit-ranking policies share one rule (:func:`pick`): among replicas whose in-
 count is at most the least loaded one's plus ``max_imbalance``, take the largest hit;
 ties go to the less loaded, then in turn. So a cache hit wins unless following it would
 pile more than ``max_imbalance`` requests onto one replica beyond the least loaded.
+
+``hybrid`` breaks ties in hit by the full-attention groups' hit first (the replica that
+still holds the conversation's chain, though the windows a longer hit needs were
+evicted): a chat keeps its replica instead of moving to the least loaded one whenever
+its window blocks are evicted. Moving costs nothing for this request (both replicas
+recompute the same tokens) but leaves the old chain behind as dead weight and makes the
+new replica store the whole conversation again; on ``bench_route`` at 768 blocks per
+replica, with this rule hybrid obtained 0.936x the oracle's hit tokens against 0.857x
+without (2 rounds each; rounds vary by about 10 %).
 Without token ids (no tokenizer, an unparsable body) every hit is 0 and the rule is
 least-loaded.
 """
@@ -49,8 +58,10 @@ class Policy(Protocol):
         tokens predicted there."""
 
 
-def pick(replicas: Sequence[Replica], hits: Sequence[int], max_imbalance: int, turn: int) -> tuple[Replica, int]:
-    """The module docstring's rule. ``turn`` rotates among full ties."""
+def pick(replicas: Sequence[Replica], hits: Sequence[int], max_imbalance: int, turn: int,
+         affinity: Sequence[int] | None = None) -> tuple[Replica, int]:
+    """The module docstring's rule. ``affinity`` (optional) breaks ties in hit before load;
+    ``turn`` rotates among full ties."""
     least = min(r.in_flight for r in replicas)
     n = len(replicas)
     best = None
@@ -59,7 +70,7 @@ def pick(replicas: Sequence[Replica], hits: Sequence[int], max_imbalance: int, t
         r = replicas[i]
         if r.in_flight > least + max_imbalance:
             continue
-        key = (hits[i], -r.in_flight)
+        key = (hits[i], affinity[i] if affinity is not None else 0, -r.in_flight)
         if best is None or key > best[0]:
             best = (key, i)
     i = best[1]
@@ -70,14 +81,16 @@ class _Ranked:
     """A policy that ranks by a per-replica hit (sync or async)."""
 
     def __init__(self, name: PolicyName, hit: Callable[[Replica, Sequence[int]], int | Awaitable[int]] | None,
-                 max_imbalance: int) -> None:
+                 max_imbalance: int, affinity: Callable[[Replica, Sequence[int]], int] | None = None) -> None:
         self.name = name
         self._hit = hit
+        self._affinity = affinity
         self.max_imbalance = max_imbalance
         self._turn = itertools.count()
 
     async def choose(self, token_ids, replicas):
         turn = next(self._turn)
+        affinity = None
         if self._hit is None or token_ids is None or not len(token_ids):
             hits = [0] * len(replicas)
         else:
@@ -85,7 +98,23 @@ class _Ranked:
             if values and asyncio.iscoroutine(values[0]):
                 values = await asyncio.gather(*values)
             hits = list(values)
-        return pick(replicas, hits, self.max_imbalance, turn)
+            if self._affinity is not None:
+                affinity = self._tie_break(token_ids, replicas, hits)
+        return pick(replicas, hits, self.max_imbalance, turn, affinity)
+
+    def _tie_break(self, token_ids, replicas, hits) -> list[int] | None:
+        """The affinity of the replicas that tie for the largest eligible hit (0 elsewhere);
+        None without a tie (the affinity is not computed)."""
+        bound = min(r.in_flight for r in replicas) + self.max_imbalance
+        eligible = [i for i, r in enumerate(replicas) if r.in_flight <= bound]
+        top = max(hits[i] for i in eligible)
+        tied = [i for i in eligible if hits[i] == top]
+        if len(tied) < 2:
+            return None
+        affinity = [0] * len(replicas)
+        for i in tied:
+            affinity[i] = self._affinity(replicas[i], token_ids)
+        return affinity
 
 
 class _RoundRobin:
@@ -114,7 +143,7 @@ def make_policy(name: str, *, max_imbalance: int = 8,
     if kind is PolicyName.FULL_ONLY:
         return _Ranked(kind, Replica.score_full_only, max_imbalance)
     if kind is PolicyName.HYBRID:
-        return _Ranked(kind, Replica.score, max_imbalance)
+        return _Ranked(kind, Replica.score, max_imbalance, affinity=Replica.score_full_only)
     if oracle is None:
         raise InvalidConfigError("the oracle policy needs a way to ask replicas")
     return _Ranked(kind, oracle, max_imbalance)

@@ -99,9 +99,9 @@ class Scheduler:
         self.sequences[request_id] = seq
         self.waiting.append(seq)
         if self.config.queued_prefix == "refresh":
-            self.kv.refresh_prefix_hit(request)
+            seq.arrival_hit_tokens = self.kv.refresh_prefix_hit(request)
         elif self.config.queued_prefix == "pin":
-            self.kv.pins.pin(request)
+            seq.arrival_hit_tokens = self.kv.pins.pin(request)
         return seq
 
     def peak_blocks(self, num_tokens: int) -> int:

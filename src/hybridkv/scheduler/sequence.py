@@ -38,6 +38,7 @@ class Sequence:
         "num_preemptions",
         "num_cached_tokens",
         "last_hit_tokens",
+        "arrival_hit_tokens",
     )
 
     def __init__(self, request: Request, sampling: SamplingParams, arrival_step: int = 0):
@@ -54,6 +55,9 @@ class Sequence:
         #: response reports as cached), and at the latest (after a preemption)
         self.num_cached_tokens = 0
         self.last_hit_tokens = 0
+        #: prefix-hit tokens when it was queued (with ``queued_prefix`` refresh or pin; 0
+        #: otherwise): what a router that chose this replica could have seen
+        self.arrival_hit_tokens = 0
 
     @property
     def request_id(self) -> str:

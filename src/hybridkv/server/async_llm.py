@@ -211,9 +211,12 @@ class AsyncLLM:
         params: Sequence[SamplingParams],
         *,
         logprobs: int | None = None,
+        request_id: str | None = None,
     ) -> Submission:
         """Queue ``prompts`` (token ids, one ``params`` each) as one submission; returns once
-        the engine thread has added them all, or raises its typed error (none added)."""
+        the engine thread has added them all, or raises its typed error (none added). The
+        engine's request ids are ``{request_id}-{i}`` per prompt (a response's id, as vLLM
+        names them; unique per submission), or ``req-{n}``."""
         if len(prompts) != len(params) or not prompts:
             raise InvalidArgumentError(f"{len(params)} sampling params for {len(prompts)} prompts")
         if not self._accepting:
@@ -228,7 +231,7 @@ class AsyncLLM:
             self._pending += len(prompts)
         sub = Submission(self, len(prompts))
         added: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._command(("add", sub, [list(p) for p in prompts], list(params), logprobs, added))
+        self._command(("add", sub, [list(p) for p in prompts], list(params), logprobs, request_id, added))
         try:
             await asyncio.shield(added)
         except asyncio.CancelledError:
@@ -302,14 +305,14 @@ class AsyncLLM:
             self._waiting = self.engine.scheduler.num_waiting
         return stop
 
-    def _add(self, sub: Submission, prompts, params, logprobs, fut: asyncio.Future) -> None:
+    def _add(self, sub: Submission, prompts, params, logprobs, base: str | None, fut: asyncio.Future) -> None:
         engine, llm = self.engine, self.llm
         added: list[str] = []
         error: BaseException | None = None
         try:
             for index, (ids, sp) in enumerate(zip(prompts, params)):
                 self._ids += 1
-                rid = f"req-{self._ids}"
+                rid = f"req-{self._ids}" if base is None else f"{base}-{index}"
                 engine.add_request(ids, sp, request_id=rid)
                 added.append(rid)
                 self._live[rid] = _Live(sub, index, TextStream(index, rid, ids, llm.tokenizer, sp), logprobs)
@@ -393,6 +396,11 @@ class AsyncLLM:
         return tuple(TokenLogprob(t, float(lp[t]), top) for t in new[-1:])
 
     def _finished(self, live: _Live, out, reason: str | None = None) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s %s: %d prompt tokens; prefix hit %d when queued, %d at admission, %d at the "
+                      "last admission (%d preemptions); %d output tokens", out.request_id, reason or out.finish_reason,
+                      len(out.prompt_token_ids), out.arrival_hit_tokens, out.num_cached_tokens, out.last_hit_tokens,
+                      out.num_preemptions, len(out.output_token_ids))
         if self.metrics is None:
             return
         from hybridkv.server.metrics import FinishedRecord

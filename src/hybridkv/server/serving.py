@@ -187,8 +187,8 @@ class OpenAIServing:
             raise InvalidArgumentError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
         prompts = self.completion_prompts(req)
         params = [self._sampling(req, len(p), 16) for p in prompts]
-        sub = await self.front.submit(prompts, params, logprobs=req.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
+        sub = await self.front.submit(prompts, params, logprobs=req.logprobs, request_id=rid)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._stream(sub, rid, "text_completion", self._completion_choice, include_usage)
@@ -236,8 +236,9 @@ class OpenAIServing:
             raise InvalidArgumentError("top_logprobs needs logprobs=true", param="top_logprobs")
         prompt = self.chat_prompt(req)
         params = self._sampling(req, len(prompt), None)
-        sub = await self.front.submit([prompt], [params], logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        sub = await self.front.submit([prompt], [params], logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                      request_id=rid)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._stream(sub, rid, "chat.completion.chunk", self._chat_choice, include_usage)
