@@ -45,13 +45,15 @@ obtained hits, strictly more than full-only, false residency < 1% of predicted. 
 router's own cost (``benchmarks/route_cost.py``): µs per routing decision at 8 replicas x
 100k indexed blocks each.
 
+Where predicted hit tokens went: the replicas log each finished request's hits (``serve
+--log-level debug``: when queued, at the first and last admission; joined to the response
+by its id, which names the engine request), so the predicted hit tokens not obtained split
+into those lost before the replica queued the request and those lost while queued.
 ``--decompose``: the hybrid and full-only routers also ask the chosen replica's manager at
-each decision (``route --shadow-peek``), and the replicas log each finished request's hits
-(``serve --log-level debug``: when queued, at the first and last admission; joined to the
-response by its id, which names the engine request). Printed per policy: where the
-predicted hit tokens went: not held by the replica at the decision (the index's error),
-lost between the decision and the replica queueing the request (the request in transit
-while the replica's steps evict), lost while queued, and preemptions.
+each decision (``route --shadow-peek``), which splits the first part into what the replica
+no longer held at the decision (the index's error) and what it evicted while the request
+was in transit. The peek delays the request by one of the replica's steps, so it also
+adds to what is lost in transit: take false residency from runs without it.
 
 ``--num-blocks 256,1024``: the whole benchmark at each pool size in turn, then the targets
 side by side. The pool size sets the regime: a small pool (the working set several times
@@ -161,6 +163,7 @@ class Setup:
     max_imbalance: int
     threads: int
     decompose: bool = False
+    queued_prefix: str = "refresh"
 
     def start_replica(self) -> tuple[Proc, str]:
         http, pub, replay = free_port(), free_port(), free_port()  # known before it binds: the router starts alongside
@@ -168,7 +171,7 @@ class Setup:
                            str(self.block_size), "--num-blocks", str(self.num_blocks), "--max-num-seqs",
                            str(self.max_num_seqs), "--max-model-len", str(self.max_model_len),
                            "--kv-events", f"tcp://127.0.0.1:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
-                           *(["--log-level", "debug"] if self.decompose else [])],
+                           "--log-level", "debug", "--queued-prefix", self.queued_prefix],  # each finished request's hits, joined to its response
                  self.threads)
         return p, f"http://127.0.0.1:{http},tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}"
 
@@ -290,7 +293,7 @@ class Rec:
     end: float
     resident: int | None = None  # the replica's own hit at the decision (--decompose)
     response_id: str = ""
-    queued: int | None = None  # the replica's hit when it queued the request (--decompose, its debug log)
+    queued: int | None = None  # the replica's hit when it queued the request (its debug log)
     last: int | None = None  # ... at its last admission
     preemptions: int | None = None
 
@@ -406,8 +409,7 @@ def run_policy(setup: Setup, policy: str, work: Workload, max_tokens: int, rnd: 
         run.state = cluster.replica_state()
     finally:
         cluster.stop()
-    if setup.decompose:
-        _join_replica_logs(run, [p.lines for p in cluster.procs[:-1]])
+    _join_replica_logs(run, [p.lines for p in cluster.procs[:-1]])
     for b, a in zip(before["replicas"], run.state["replicas"]):  # index drops during the workload only
         delta = {k: n - b["index_resets"].get(k, 0) for k, n in a["index_resets"].items()}
         a["index_resets"] = {k: n for k, n in delta.items() if n}
@@ -428,15 +430,18 @@ def _pct(a: float, b: float) -> str:
 
 
 def decomposition(runs: dict[str, list[PolicyRun]]) -> None:
-    """--decompose: where each policy's predicted hit tokens went. Per request, the chain
-    predicted -> held by the replica at the decision (its manager, asked right after; the
-    prediction for the oracle) -> held when the replica queued it -> obtained at its first
-    admission; each step's loss counts what the next one no longer holds of the previous."""
+    """Where each policy's predicted hit tokens went. Per request, the chain predicted ->
+    held by the replica at the decision (its manager, asked right after, with --decompose;
+    the prediction for the oracle) -> held when the replica queued it (its debug line) ->
+    obtained at its first admission; each step's loss counts what the next one no longer
+    holds of the previous. Without --decompose, "lost before queued" includes the index's
+    own error."""
     rows = []
     for policy, rs in runs.items():
         recs = [r for run in rs for r in run.recs if r.predicted]
         if not recs or any(r.queued is None for r in recs):
             continue
+        peeked = policy == "oracle" or all(r.resident is not None for r in recs)
         index = transit = queue = 0
         for r in recs:
             held = min(r.predicted, r.predicted if r.resident is None else r.resident)
@@ -447,11 +452,12 @@ def decomposition(runs: dict[str, list[PolicyRun]]) -> None:
         pred = sum(r.predicted for r in recs)
         pre = sum(1 for r in recs if r.preemptions)
         lost = sum(1 for r in recs if min(r.predicted, r.queued) > r.obtained)
-        rows.append(f"{policy:12} {pred:>9} {index:>7} ({_pct(index, pred)}) {transit:>7} ({_pct(transit, pred)}) "
+        held_col = f"{index:>7} ({_pct(index, pred)})" if peeked else f"{'-':>7} {'':7}"
+        rows.append(f"{policy:12} {pred:>9} {held_col} {transit:>7} ({_pct(transit, pred)}) "
                     f"{queue:>7} ({_pct(queue, pred)})  {lost:>4} of {len(recs)} requests lost hits while queued; "
                     f"{pre} preempted")
     if rows:
-        print(f"\nwhere predicted hit tokens went (--decompose)\n{'policy':12} {'predicted':>9} {'not held at decision':>17} "
+        print(f"\nwhere predicted hit tokens went\n{'policy':12} {'predicted':>9} {'not held at decision':>17} "
               f"{'lost before queued':>17} {'lost while queued':>17}")
         print("\n".join(rows))
 
@@ -555,8 +561,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="PATH", help="also write every request's record here")
     ap.add_argument("--decompose", action="store_true",
                     help="hybrid / full-only routers also ask the chosen replica's manager at each decision "
-                         "(route --shadow-peek): false residency split into index error and later eviction "
-                         "(adds one peek per request to those lanes' TTFT)")
+                         "(route --shadow-peek): what is lost before queueing split into index error and transit "
+                         "(the peek delays each request by a replica step: more is lost in transit)")
+    ap.add_argument("--queued-prefix", choices=("none", "refresh", "pin"), default="refresh",
+                    help="the replicas' serve --queued-prefix (default refresh, serve's own)")
     ap.add_argument("--no-route-cost", action="store_true", help="skip the µs-per-decision figure")
     ap.add_argument("--route-cost-blocks", type=int, default=100_000)
     args = ap.parse_args(argv)
@@ -579,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or tiny_model_dir(Path(tmp))
         for num_blocks in sizes:
             setup = Setup(model, args.replicas, args.block_size, num_blocks, args.max_num_seqs, args.max_model_len,
-                          args.max_imbalance, args.threads, args.decompose)
+                          args.max_imbalance, args.threads, args.decompose, args.queued_prefix)
             print(f"\nmodel {model if args.model else 'tiny gemma3 (sliding window 12 + full)'}; {args.replicas} "
                   f"replicas, block {args.block_size}, {num_blocks} blocks each, max_num_seqs {args.max_num_seqs}; "
                   f"{args.systems} system prompts, {conversations} chats x {turns} turns = {work.num_requests} requests, "

@@ -118,6 +118,38 @@ def test_scheduler_keeps_a_queued_requests_prefix_through_the_queue_ahead(policy
     assert scenario(policy) == want
 
 
+@pytest.mark.parametrize("groups", [(full(4),), (full(4), sliding(6, 4))])
+def test_refresh_keeps_a_waiting_hit_behind_blocks_freed_after_it_arrived(groups):
+    """"refresh" marks a waiting request's hit as used at every step, not only on arrival:
+    blocks a finishing request frees while it waits go to the LRU's tail after its hit,
+    and the next step moves its hit behind them again (so they are evicted first)."""
+
+    def tail_after_step_2(refresh_each_step: bool) -> bool:
+        kv = manager(*groups, num_blocks=64)
+        sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, max_model_len=128,
+                                              queued_prefix="refresh"))
+        if not refresh_each_step:
+            sched._refresh_waiting = lambda: None  # arrival only
+        run(kv, "warm", list(range(9)))  # the cached prefix "want" will hit
+        sched.add_request("a", list(range(100, 120)), SamplingParams(max_tokens=2))  # runs, finishes at step 1
+        sched.add_request("b", list(range(200, 212)), SamplingParams(max_tokens=30))  # runs from step 2 on
+        sched.add_request("want", list(range(9)), SamplingParams(max_tokens=2))  # waits behind both
+        for _ in range(3):
+            out = sched.schedule()
+            sched.update_from_output(out, {sr.request_id: 1 for sr in out.scheduled if sr.sample})
+            sched.check_invariants()
+        assert [s.request_id for s in sched.running] == ["b"] and sched.waiting[0].request_id == "want"
+        probe = kv.make_request("probe", list(range(9)))
+        hit, n = kv.coordinator.find_hit(probe.block_hashes, probe.num_tokens - 1)
+        assert n == 8
+        free_hit = {b.block_id for leads in hit.values() for b in leads if not b.is_null and b.ref_cnt == 0}
+        lru = list(kv.pool.free_queue.lru)
+        return bool(free_hit) and set(lru[len(lru) - len(free_hit):]) == free_hit
+
+    assert tail_after_step_2(refresh_each_step=True)
+    assert not tail_after_step_2(refresh_each_step=False)  # "a"'s blocks, freed at step 1, are behind it
+
+
 # ----------------------------------------------------------------------------- pins
 def test_a_pinned_prefix_survives_allocations_that_would_evict_it():
     kv = manager(full(4), sliding(5), num_blocks=24)

@@ -17,14 +17,13 @@ count is at most the least loaded one's plus ``max_imbalance``, take the largest
 ties go to the less loaded, then in turn. So a cache hit wins unless following it would
 pile more than ``max_imbalance`` requests onto one replica beyond the least loaded.
 
-``hybrid`` breaks ties in hit by the full-attention groups' hit first (the replica that
-still holds the conversation's chain, though the windows a longer hit needs were
-evicted): a chat keeps its replica instead of moving to the least loaded one whenever
-its window blocks are evicted. Moving costs nothing for this request (both replicas
-recompute the same tokens) but leaves the old chain behind as dead weight and makes the
-new replica store the whole conversation again; on ``bench_route`` at 768 blocks per
-replica, with this rule hybrid obtained 0.936x the oracle's hit tokens against 0.857x
-without (2 rounds each; rounds vary by about 10 %).
+``hybrid`` breaks ties in hit by the full-attention groups' hit first: among replicas
+that offer the same hit, the one still holding the conversation's chain (though the
+windows a longer hit needs were evicted) keeps the chat, rather than the least loaded
+one. Moving costs this request nothing (both recompute the same tokens) but leaves the
+old chain behind as dead weight and makes the new replica store the whole conversation
+again. (On ``bench_route`` it made no difference beyond the 10-20 % by which rounds vary;
+README, "The pool size sets the regime".)
 Without token ids (no tokenizer, an unparsable body) every hit is 0 and the rule is
 least-loaded.
 """

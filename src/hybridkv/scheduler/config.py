@@ -43,12 +43,14 @@ class SchedulerConfig:
       queued before it allocate meanwhile):
 
       - ``"none"`` (default, vLLM's): nothing, it may be evicted;
-      - ``"refresh"``: marked as just used on arrival
-        (:meth:`~hybridkv.core.kv_cache_manager.KVCacheManager.refresh_prefix_hit`), so
-        other cached blocks are evicted first;
-      - ``"pin"`` (the server's): held on arrival (:mod:`hybridkv.core.prefix_pins`) until
-        admission; when the pool runs short the most recent pins are released first,
-        before any running request is preempted.
+      - ``"refresh"`` (the server's): marked as just used on arrival
+        (:meth:`~hybridkv.core.kv_cache_manager.KVCacheManager.refresh_prefix_hit`), and
+        again at the start of every step while it waits (the first
+        ``REFRESH_WAITING`` of the queue, its head last), so other cached blocks, those
+        that finished requests free meanwhile included, are evicted first;
+      - ``"pin"``: held on arrival (:mod:`hybridkv.core.prefix_pins`) until admission;
+        when the pool runs short the most recent pins are released first, before any
+        running request is preempted.
     """
 
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS

@@ -32,6 +32,7 @@ Example (budget 8, one 10-token prompt, max_tokens 2)::
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from typing import Sequence as Seq
 
@@ -50,6 +51,9 @@ from hybridkv.scheduler.interface import ModelRunner, SamplingParams, ScheduledR
 from hybridkv.scheduler.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = ["Scheduler"]
+
+#: with ``queued_prefix="refresh"``, the waiting requests whose hits each step refreshes
+REFRESH_WAITING = 16
 
 
 class Scheduler:
@@ -145,6 +149,8 @@ class Scheduler:
         preempted: list[Sequence] = []
 
         kv.new_step_starts()
+        if self.config.queued_prefix == "refresh" and self.waiting:
+            self._refresh_waiting()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -226,6 +232,13 @@ class Scheduler:
         self._finished_since_last = []
         self.step_count += 1
         return output
+
+    def _refresh_waiting(self) -> None:
+        """The cached prefixes the first ``REFRESH_WAITING`` waiting requests will hit, marked
+        as just used again, the queue's head last (so evicted last): blocks freed since a
+        request arrived (finished requests') go before its hit. Reorders free blocks only."""
+        for seq in reversed(list(itertools.islice(self.waiting, REFRESH_WAITING))):
+            self.kv.refresh_prefix_hit(seq.request)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq.request)
