@@ -171,7 +171,8 @@ class Setup:
                            str(self.block_size), "--num-blocks", str(self.num_blocks), "--max-num-seqs",
                            str(self.max_num_seqs), "--max-model-len", str(self.max_model_len),
                            "--kv-events", f"tcp://127.0.0.1:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
-                           "--log-level", "debug", "--queued-prefix", self.queued_prefix],  # each finished request's hits, joined to its response
+                           "--queued-prefix", self.queued_prefix,
+                           "--log-level", "debug"],  # each finished request's hits, joined to its response
                  self.threads)
         return p, f"http://127.0.0.1:{http},tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}"
 
@@ -442,16 +443,16 @@ def decomposition(runs: dict[str, list[PolicyRun]]) -> None:
         if not recs or any(r.queued is None for r in recs):
             continue
         peeked = policy == "oracle" or all(r.resident is not None for r in recs)
-        index = transit = queue = 0
+        index = transit = queue = lost = 0
         for r in recs:
-            held = min(r.predicted, r.predicted if r.resident is None else r.resident)
-            index += r.predicted - held
+            held = r.predicted if r.resident is None else min(r.predicted, r.resident)
             at_queue = min(held, r.queued)
+            index += r.predicted - held
             transit += held - at_queue
             queue += at_queue - min(at_queue, r.obtained)
+            lost += at_queue > r.obtained
         pred = sum(r.predicted for r in recs)
         pre = sum(1 for r in recs if r.preemptions)
-        lost = sum(1 for r in recs if min(r.predicted, r.queued) > r.obtained)
         held_col = f"{index:>7} ({_pct(index, pred)})" if peeked else f"{'-':>7} {'':7}"
         rows.append(f"{policy:12} {pred:>9} {held_col} {transit:>7} ({_pct(transit, pred)}) "
                     f"{queue:>7} ({_pct(queue, pred)})  {lost:>4} of {len(recs)} requests lost hits while queued; "
@@ -579,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sizes = [int(x) for x in args.num_blocks.split(",")]
     except ValueError:
-        ap.error(f"--num-blocks takes block counts separated by commas, got {args.num_blocks!r}")
+        sizes = []
+    if not sizes or min(sizes) < 2:
+        ap.error(f"--num-blocks takes block counts >= 2 separated by commas, got {args.num_blocks!r}")
     work = make_workload(args.seed, args.systems, conversations, turns, args.clients, args.open)
     verdicts: dict[int, dict] = {}
     by_size: dict[int, dict[str, list[PolicyRun]]] = {}

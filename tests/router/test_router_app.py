@@ -55,11 +55,13 @@ class _Broken(httpx.AsyncByteStream):
         raise httpx.ReadError("connection reset")
 
 
-def _run(fake: FakeReplicas, body, policy: str = "least-loaded"):
+def _run(fake, body, policy: str = "least-loaded", *, config: RouterConfig | None = None, n: int | None = None):
+    """``await body(client, router)`` through the router app over ``n`` (``fake.n``) fake
+    replicas served by ``fake`` (an httpx.MockTransport handler)."""
     from hybridkv.router.app import create_router_app
 
-    router = Router([ReplicaSpec(f"http://r{i}:8000") for i in range(fake.n)],
-                    RouterConfig(policy=policy, health_interval=60), transport=httpx.MockTransport(fake))
+    router = Router([ReplicaSpec(f"http://r{i}:8000") for i in range(fake.n if n is None else n)],
+                    config or RouterConfig(policy=policy, health_interval=60), transport=httpx.MockTransport(fake))
     app = create_router_app(router)
 
     async def main():
@@ -164,7 +166,7 @@ def test_replica_specs_are_checked():
         RouterConfig(policy="random")
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", range(40))
 def test_pick_takes_the_largest_hit_within_the_imbalance(seed):
     rng = random.Random(seed)
     replicas = [Replica(f"r{i}", ReplicaSpec(f"http://r{i}:1")) for i in range(rng.randint(1, 6))]
@@ -173,8 +175,13 @@ def test_pick_takes_the_largest_hit_within_the_imbalance(seed):
     hits = [rng.choice([0, 0, 16, 32, 64]) for _ in replicas]
     affinity = [h + rng.choice([0, 0, 8, 40]) for h in hits] if seed % 2 else None  # hybrid: the full-only hit
     imbalance = rng.randint(0, 5)
-    chosen, hit = pick(replicas, hits, imbalance, rng.randint(0, 9), affinity)
+    asked = []
+    chosen, hit = pick(replicas, hits, imbalance, rng.randint(0, 9),
+                       (lambda i: asked.append(i) or affinity[i]) if affinity else None)
     least = min(r.in_flight for r in replicas)
+    top = max(h for h, r in zip(hits, replicas) if r.in_flight <= least + imbalance)
+    tied = {i for i, (h, r) in enumerate(zip(hits, replicas)) if h == top and r.in_flight <= least + imbalance}
+    assert sorted(asked) == (sorted(tied) if affinity and len(tied) > 1 else [])  # only ties are asked, once each
     key = list(zip(hits, affinity or [0] * len(hits)))
     eligible = [(k, r) for k, r in zip(key, replicas) if r.in_flight <= least + imbalance]
     assert chosen.in_flight <= least + imbalance
@@ -210,23 +217,11 @@ def test_shadow_peek_reports_what_the_replica_held_at_the_decision():
             return httpx.Response(200, json={"prompt_tokens": 3, "cached_tokens": 7})
         return real(request)
 
-    from hybridkv.router.app import create_router_app
+    async def body(c, router):
+        return (await c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}),
+                await c.post("/v1/completions", json={"prompt": "text, no tokenizer", "max_tokens": 1}))
 
-    router = Router([ReplicaSpec(f"http://r{i}:8000") for i in range(2)],
-                    RouterConfig(policy="hybrid", health_interval=60, shadow_peek=True),
-                    transport=httpx.MockTransport(with_peek))
-    app = create_router_app(router)
-
-    async def main():
-        await router.start()
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
-                return (await c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}),
-                        await c.post("/v1/completions", json={"prompt": "text, no tokenizer", "max_tokens": 1}))
-        finally:
-            await router.stop()
-
-    ids, text = asyncio.run(main())
+    ids, text = _run(with_peek, body, n=2, config=RouterConfig(policy="hybrid", health_interval=60, shadow_peek=True))
     assert ids.headers["x-hybridkv-resident-hit"] == "7" and ids.headers["x-hybridkv-predicted-hit"] == "0"
     assert "x-hybridkv-resident-hit" not in text.headers  # no token ids: nothing to ask
 
@@ -242,27 +237,16 @@ def test_a_client_that_leaves_before_the_replica_answers_is_not_counted_in_fligh
         entered.set()
         await asyncio.sleep(3600)
 
-    from hybridkv.router.app import create_router_app
+    async def body(c, router):
+        task = asyncio.create_task(c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}))
+        await asyncio.wait_for(entered.wait(), 10)
+        during = router.replicas[0].in_flight
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return during, router.replicas[0].in_flight
 
-    router = Router([ReplicaSpec("http://r0:8000")], RouterConfig(policy="least-loaded", health_interval=60),
-                    transport=httpx.MockTransport(hanging))
-    app = create_router_app(router)
-
-    async def main():
-        await router.start()
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
-                task = asyncio.create_task(c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}))
-                await asyncio.wait_for(entered.wait(), 10)
-                during = router.replicas[0].in_flight
-                task.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await task
-                return during, router.replicas[0].in_flight
-        finally:
-            await router.stop()
-
-    assert asyncio.run(main()) == (1, 0)
+    assert _run(hanging, body, n=1) == (1, 0)
 
 
 def test_hybrid_breaks_hit_ties_towards_the_replica_holding_the_chain():

@@ -59,8 +59,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--kv-events-topic", default="", metavar="TOPIC", help="topic of the event messages (default empty)")
     p.add_argument("--queued-prefix", choices=("refresh", "pin", "none"), default="refresh",
                    help="keep the cached prefix a queued request will hit until it runs: refresh (mark it used "
-                        "on arrival and at every step while it waits), pin (hold it; released first when the pool runs short), none (vLLM's "
-                        "behaviour) (default refresh)")
+                        "on arrival and at every step while it waits), pin (hold it; released first when the pool "
+                        "runs short), none (vLLM's behaviour) (default refresh)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
                    help="server log level (default warning)")
     add_engine_options(p, max_num_seqs_default="64")

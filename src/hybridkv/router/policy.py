@@ -58,21 +58,17 @@ class Policy(Protocol):
 
 
 def pick(replicas: Sequence[Replica], hits: Sequence[int], max_imbalance: int, turn: int,
-         affinity: Sequence[int] | None = None) -> tuple[Replica, int]:
-    """The module docstring's rule. ``affinity`` (optional) breaks ties in hit before load;
-    ``turn`` rotates among full ties."""
+         affinity: Callable[[int], int] | None = None) -> tuple[Replica, int]:
+    """The module docstring's rule. ``affinity(i)`` (optional), asked only of the replicas
+    that tie for the largest eligible hit, breaks that tie before load; ``turn`` rotates
+    among full ties."""
     least = min(r.in_flight for r in replicas)
     n = len(replicas)
-    best = None
-    for k in range(n):
-        i = (turn + k) % n
-        r = replicas[i]
-        if r.in_flight > least + max_imbalance:
-            continue
-        key = (hits[i], affinity[i] if affinity is not None else 0, -r.in_flight)
-        if best is None or key > best[0]:
-            best = (key, i)
-    i = best[1]
+    order = [i for i in ((turn + k) % n for k in range(n)) if replicas[i].in_flight <= least + max_imbalance]
+    top = max(hits[i] for i in order)
+    tied = [i for i in order if hits[i] == top]
+    ranked = {i: affinity(i) for i in tied} if affinity is not None and len(tied) > 1 else {}
+    i = max(tied, key=lambda i: (ranked.get(i, 0), -replicas[i].in_flight))  # the first of equals: turn order
     return replicas[i], hits[i]
 
 
@@ -98,22 +94,8 @@ class _Ranked:
                 values = await asyncio.gather(*values)
             hits = list(values)
             if self._affinity is not None:
-                affinity = self._tie_break(token_ids, replicas, hits)
+                affinity = lambda i: self._affinity(replicas[i], token_ids)  # noqa: E731
         return pick(replicas, hits, self.max_imbalance, turn, affinity)
-
-    def _tie_break(self, token_ids, replicas, hits) -> list[int] | None:
-        """The affinity of the replicas that tie for the largest eligible hit (0 elsewhere);
-        None without a tie (the affinity is not computed)."""
-        bound = min(r.in_flight for r in replicas) + self.max_imbalance
-        eligible = [i for i, r in enumerate(replicas) if r.in_flight <= bound]
-        top = max(hits[i] for i in eligible)
-        tied = [i for i in eligible if hits[i] == top]
-        if len(tied) < 2:
-            return None
-        affinity = [0] * len(replicas)
-        for i in tied:
-            affinity[i] = self._affinity(replicas[i], token_ids)
-        return affinity
 
 
 class _RoundRobin:
