@@ -54,7 +54,8 @@ def _dense_reference(q, k_all, v_all, positions, attn, scale, sinks=None, softca
     return torch.einsum("htl,hld->thd", p, v)
 
 
-def _scenario(attn, block_size, seqs, seed=0, sinks=False, softcap=None, num_blocks=80, outputs=None):
+def _scenario(attn, block_size, seqs, seed=0, sinks=False, softcap=None, num_blocks=80, outputs=None,
+              backend="reference"):
     """seqs: [(num_computed, q_len)]. Builds random KV history, random tables, checks one step.
 
     outputs: also attend from only these sequences' last tokens (``keep``) and check those rows.
@@ -80,7 +81,8 @@ def _scenario(attn, block_size, seqs, seed=0, sinks=False, softcap=None, num_blo
             slots = tab[pos // block_size] * block_size + pos % block_size
             storage.write(0, slots, k[first:n], v[first:n])
     meta = AttentionMetadata.build(
-        storage, [n for n, _ in seqs], [q for _, q in seqs], [[t] for t in tables], output_seqs=outputs
+        storage, [n for n, _ in seqs], [q for _, q in seqs], [[t] for t in tables], output_seqs=outputs,
+        backend=backend,
     )
     q = torch.randn(sum(q for _, q in seqs), H_Q, D, generator=g)
     new_k = torch.cat([k[n:] for (n, _), (k, _) in zip(seqs, hist)])
@@ -176,3 +178,21 @@ def test_attention_type_validation():
         AttentionType("full", 4)
     with pytest.raises(InvalidConfigError):
         AttentionType("local", 4)
+
+
+@pytest.mark.parametrize(
+    "attn",
+    [FULL, AttentionType("sliding", 16), AttentionType("chunked", 20), AttentionType("sliding", 1)],
+    ids=lambda a: f"{a.kind}{a.size or ''}",
+)
+def test_triton_backend_matches_dense(attn):
+    """The same scenarios through the triton backend (interpreter on CPU): prefill + decode
+    mixes with the last layer's rows, sinks and soft-cap, and a pure decode step."""
+    pytest.importorskip("triton")
+    from hybridkv.engine.kernels import triton_unavailable
+
+    if triton_unavailable("cpu") is not None:
+        pytest.skip(triton_unavailable("cpu"))
+    _scenario(attn, 4, LONG, seed=5, num_blocks=200, outputs=[6, 0, 3, 7], backend="triton")
+    _scenario(attn, 8, LONG, seed=6, sinks=True, softcap=2.0, num_blocks=100, outputs=[1, 4], backend="triton")
+    _scenario(attn, 4, [(21, 1), (5, 1), (70, 1)], seed=8, sinks=True, num_blocks=100, backend="triton")

@@ -81,12 +81,31 @@ def check(outputs, logits, want):
         assert diff < TOL, f"{name}: logit diff {diff:.2e}"
 
 
-@pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-caching"])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_engine_matches_hf(arch, caching, refs):
+def _backends():
+    """The attention backends this machine runs: the reference, and triton (its interpreter on a CPU)."""
+    try:
+        from hybridkv.engine.kernels import triton_unavailable
+
+        return ["reference"] + (["triton"] if triton_unavailable("cpu") is None else [])
+    except ImportError:
+        return ["reference"]
+
+
+BACKENDS = _backends()
+
+
+# the triton interpreter takes ~9 s a run: every family once, with prefix caching on
+CASES = [(a, c, "reference") for a in ARCHS for c in (True, False)]
+CASES += [(a, True, "triton") for a in ARCHS if "triton" in BACKENDS]
+
+
+@pytest.mark.parametrize("arch,caching,backend", CASES, ids=lambda v: {True: "prefix-caching", False: "no-caching"}.get(v, v))
+def test_engine_matches_hf(arch, caching, backend, refs):
     path, want = refs(arch)
     engine = LLMEngine(path, EngineConfig(block_size=8, num_blocks=300, max_num_batched_tokens=24,
-                                          enable_prefix_caching=caching, max_model_len=256))
+                                          enable_prefix_caching=caching, max_model_len=256,
+                                          attention_backend=backend))
+    assert engine.attention_backend == backend
     # A first; B and D (sharing A's 44-token system prompt) arrive while A decodes
     outputs, logits = drive(engine, {0: ["A", "C"], 4: ["B"], 9: ["D"]})
     assert set(outputs) == set(PROMPTS)
@@ -101,8 +120,12 @@ def test_engine_matches_hf(arch, caching, refs):
     assert (engine.nulled_seen > 0) == local  # dead window / chunk blocks were given back
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_engine_under_eviction_and_preemption(arch, refs):
+EVICTION = [(a, "reference") for a in ARCHS]
+EVICTION += [(a, "triton") for a in ("gemma3", "llama4_dense", "gpt_oss") if "triton" in BACKENDS and a in ARCHS]
+
+
+@pytest.mark.parametrize("arch,backend", EVICTION)
+def test_engine_under_eviction_and_preemption(arch, backend, refs):
     path, want = refs(arch)
     probe = LLMEngine(path, EngineConfig(block_size=4, num_blocks=2000, max_num_batched_tokens=16, max_model_len=256))
     peak = probe.scheduler.peak_blocks(len(PROMPTS["C"]) + NEW)
@@ -111,7 +134,7 @@ def test_engine_under_eviction_and_preemption(arch, refs):
     # full_prompt gate these four mostly wait their turn instead (no preemption at all
     # for the Llama 4 layouts at any pool from peak + 1 to peak + 9)
     engine = LLMEngine(path, EngineConfig(block_size=4, num_blocks=peak + 6, max_num_batched_tokens=16, max_model_len=256,
-                                          admission="first_chunk"))
+                                          admission="first_chunk", attention_backend=backend))
     outputs, logits = drive(engine, {0: ["A", "B", "C"], 3: ["D"]})
     check(outputs, logits, want)
     assert engine.scheduler.num_preemptions > 0

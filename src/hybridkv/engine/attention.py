@@ -103,6 +103,7 @@ class AttentionMetadata:
     block_tables: list[torch.Tensor]
     slot_mappings: list[torch.Tensor]
     output_seqs: list[int] | None = None
+    backend: str = "reference"  # "reference" (this module) or "triton" (hybridkv.engine.attention_triton)
     _memo: dict[Any, Any] = field(default_factory=dict)
 
     @property
@@ -121,6 +122,7 @@ class AttentionMetadata:
         query_lens: Sequence[int],
         block_ids: Sequence[Sequence[Sequence[int]]],
         output_seqs: Sequence[int] | None = None,
+        backend: str = "reference",
     ) -> "AttentionMetadata":
         """Metadata for ``S`` sequences; ``block_ids[s][g]`` is sequence ``s``'s group-``g`` table.
 
@@ -184,6 +186,7 @@ class AttentionMetadata:
             block_tables=[tables_sgw[:, g] for g in range(num_groups)],  # [S, W] views
             slot_mappings=list(slots.unbind(0)),  # [T] each
             output_seqs=None if output_seqs is None else [int(s) for s in output_seqs],
+            backend=backend,
         )
 
     def memo(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -253,6 +256,10 @@ def paged_attention(
     from those rows (K/V of all T tokens are still written). Returns [T, Hq, D]
     ([N, Hq, D] with ``keep``).
     """
+    if meta.backend == "triton":
+        from hybridkv.engine.attention_triton import triton_paged_attention
+
+        return triton_paged_attention(query, key, value, meta, layer, attn, scale, sinks, softcap, keep)
     storage = meta.storage
     group = storage.group_of(layer)
     storage.write(layer, meta.slot_mappings[group], key, value)

@@ -47,6 +47,7 @@ import torch
 from hybridkv.checkpoint import ModelSource
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheManagerConfig
 from hybridkv.core.kv_cache_manager import KVCacheManager
+from hybridkv.engine.kernels import BACKENDS, resolve_backend
 from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation, torch_dtype
 from hybridkv.engine.layout import EngineLayout
 from hybridkv.engine.kv_summary import KVSummary, UsageTracker, kv_bytes_per_request, state_bytes_per_request
@@ -87,12 +88,22 @@ class EngineConfig:
     queued_prefix: str = "none"  # SchedulerConfig.queued_prefix: "none" (vLLM), "refresh" or "pin" (the server's)
     #: state checkpoints cached (CacheManagerConfig's): None every block, 0 the prompt's last, k every k tokens
     prefix_cache_retention_interval: int | None = 0
+    #: "auto" (triton on CUDA when it imports, else reference), "reference" or "triton"
+    attention_backend: str = "auto"
+    #: True: no CUDA graphs (decode steps run eagerly)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise InvalidConfigError("give num_blocks or kv_cache_memory, not both")
         if not isinstance(self.hybrid, bool):
             raise InvalidConfigError(f"hybrid must be a bool, got {self.hybrid!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise InvalidConfigError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if self.attention_backend not in BACKENDS:
+            raise InvalidConfigError(
+                f"attention_backend must be one of {', '.join(BACKENDS)}; got {self.attention_backend!r}"
+            )
         if not self.hybrid and self.group_size is not None:
             raise InvalidConfigError("group_size applies to the hybrid layout; with hybrid off all layers are one group")
 
@@ -155,6 +166,8 @@ class LLMEngine:
 
     def __init__(self, model: str | Path | ModelSource | CausalLM, config: EngineConfig = EngineConfig()):
         self.config = config
+        #: the attention backend in use ("reference" or "triton"), resolved from config.attention_backend
+        self.attention_backend = resolve_backend(config.attention_backend, torch.device(config.device).type)
         self.model = model if isinstance(model, CausalLM) else load_model(model, dtype=config.dtype, device=config.device)
         m = self.model
         if config.max_model_len is not None and config.max_model_len > m.max_position_embeddings:
@@ -217,7 +230,8 @@ class LLMEngine:
                 self.block_size, num_blocks, m.state_shape(), dtype=torch_dtype(config.dtype), device=config.device,
             )
         self.runner = PagedModelRunner(m, self.storage, seed=config.seed,
-                                       group_specs=[g.spec for g in attention.values()], states=self.states)
+                                       group_specs=[g.spec for g in attention.values()], states=self.states,
+                                       attention_backend=self.attention_backend)
         #: where requests stop unless they ask ``ignore_eos`` (config.json + generation_config.json)
         self.eos_token_ids: tuple[int, ...] = m.eos_token_ids
         self._ids = itertools.count()

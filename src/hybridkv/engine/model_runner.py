@@ -82,6 +82,7 @@ class PagedModelRunner:
         seed: int = 0,
         group_specs: Sequence[KVCacheSpec] | None = None,
         states: StateRunner | None = None,
+        attention_backend: str = "reference",
     ) -> None:
         kv_layers = set(storage.layer_to_group_position)
         linear = set(getattr(model, "linear_layers", ()))
@@ -113,6 +114,8 @@ class PagedModelRunner:
         self.sampler = Sampler(seed)
         self.last_logits: dict[str, torch.Tensor] = {}
         self.device = storage.device
+        #: "reference" or "triton" (resolved: :func:`~hybridkv.engine.kernels.resolve_backend`)
+        self.attention_backend = attention_backend
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
@@ -144,6 +147,7 @@ class PagedModelRunner:
             [len(r.token_ids) for r in reqs],
             tables,
             output_seqs=sampled,
+            backend=self.attention_backend,
         )
         input_ids = long_tensor(flat_ids, self.device)  # [T]
         if states is None:

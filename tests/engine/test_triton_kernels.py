@@ -1,0 +1,196 @@
+"""The Triton kernels (KV write, paged attention, split decode) against a dense reference,
+on random block tables: windows and chunks 1..33, blocks 1..16, prefix hits, chunked
+prefill, sinks, soft-cap, GQA; every slot nobody wrote (the null block, freed blocks,
+table padding) holds NaN, so a read of one shows in the output.
+
+On a CPU they run in triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hybridkv.engine.kernels import triton_unavailable  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and triton_unavailable("cuda") is None else "cpu"
+if triton_unavailable(DEVICE) is not None:
+    pytest.skip(triton_unavailable(DEVICE), allow_module_level=True)
+
+from hybridkv.engine.kernels.kv_write import write_kv  # noqa: E402
+from hybridkv.engine.kernels.paged_attention import (  # noqa: E402
+    block_q_for,
+    decode_splits,
+    paged_attention_fwd,
+    query_blocks,
+)
+
+
+def first_key(kind, size, p):
+    if kind == "sliding":
+        return max(0, p - size + 1)
+    if kind == "chunked":
+        return p // size * size
+    return 0
+
+
+def dense(q, k, v, positions, kind, size, scale, sinks=None, softcap=None):
+    """q [Tq, Hq, D] at ``positions``; k / v [L, Hkv, D] for positions 0..L-1; fp64."""
+    q, k, v = q.double(), k.double(), v.double()
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, 1).permute(1, 0, 2)  # [Hq, L, D]
+    v = v.repeat_interleave(rep, 1).permute(1, 0, 2)
+    s = torch.einsum("thd,hld->htl", q, k) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    kp = torch.arange(k.shape[1])
+    mask = torch.stack([(kp <= p) & (kp >= first_key(kind, size, int(p))) for p in positions])  # [Tq, L]
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().view(-1, 1, 1).expand(-1, s.shape[1], 1)], -1)
+        p = torch.softmax(s, -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    return torch.einsum("htl,hld->thd", p, v)
+
+
+def make_case(rng, kind, size, page, seqs, hq, hkv, d, dtype, num_blocks):
+    """Caches filled with NaN; each sequence's visible history written through its table."""
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    k_cache = torch.full((hkv, num_blocks, page, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables, hist, width = [], [], max(-(-(n + q) // page) for n, q in seqs) + rng.randrange(3)
+    for n, q in seqs:
+        need = -(-(n + q) // page)
+        first = first_key(kind, size, n)  # the first key the step's first query may see
+        table = [0 if (b + 1) * page <= first else free.pop() for b in range(need)]
+        tables.append(table + [0] * (width - need))  # padding: the null block
+        k = torch.randn(n + q, hkv, d, generator=gen).to(dtype)
+        v = torch.randn(n + q, hkv, d, generator=gen).to(dtype)
+        hist.append((k, v))
+        for p in range(first, n):  # history: written in earlier steps
+            blk, off = table[p // page], p % page
+            k_cache[:, blk, off] = k[p]
+            v_cache[:, blk, off] = v[p]
+    return k_cache, v_cache, torch.tensor(tables, dtype=torch.int64), hist
+
+
+def run_step(seed, kind, size, page, seqs, hq=4, hkv=2, d=16, dtype=torch.float32, sinks=False,
+             softcap=None, num_splits=None, outputs_only=False):
+    rng = random.Random(seed)
+    num_blocks = sum(-(-(n + q) // page) for n, q in seqs) + 3
+    k_cache, v_cache, table, hist = make_case(rng, kind, size, page, seqs, hq, hkv, d, dtype, num_blocks)
+    gen = torch.Generator().manual_seed(seed)
+    starts = [n for n, _ in seqs]
+    q_lens = [q for _, q in seqs]
+    num_tokens = sum(q_lens)
+    query = torch.randn(num_tokens, hq, d, generator=gen).to(dtype)
+    sink = torch.randn(hq, generator=gen) * 2 if sinks else None
+    scale = 0.7 / d**0.5
+    # this step's K/V: one write of all T tokens
+    slots = [table[s, p // page].item() * page + p % page for s, (n, q) in enumerate(seqs) for p in range(n, n + q)]
+    new_k = torch.cat([k[n:] for (n, _), (k, _) in zip(seqs, hist)])
+    new_v = torch.cat([v[n:] for (n, _), (_, v) in zip(seqs, hist)])
+    write_kv(new_k.to(DEVICE), new_v.to(DEVICE), *(t for t in (k_cache, v_cache)), torch.tensor(slots))
+    seq_lens = torch.tensor([n + q for n, q in seqs])
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    if outputs_only:  # one query per sequence: its last token (the last layer's rows)
+        ends = [n + q - 1 for n, q in seqs]
+        rows = torch.tensor([sum(q_lens[: s + 1]) - 1 for s in range(len(seqs))])
+        plan = query_blocks(ends, [1] * len(seqs), block_q_for(hq // hkv, False))
+        q_in = query[rows]
+    else:
+        plan = query_blocks(starts, q_lens, block_q_for(hq // hkv, False))
+        q_in = query
+    if num_splits is not None:  # decode kernel: every sequence computes one token
+        assert all(q == 1 for q in q_lens)
+        out = paged_attention_fwd(dev(q_in), dev(k_cache), dev(v_cache), dev(table), dev(seq_lens), kind, size,
+                                  scale, sinks=sink, softcap=softcap, num_splits=num_splits)
+    else:
+        plan_t = torch.tensor(plan, dtype=torch.int64).view(-1, 4)
+        out = paged_attention_fwd(dev(q_in), dev(k_cache), dev(v_cache), dev(table), dev(seq_lens), kind, size,
+                                  scale, plan=dev(plan_t), sinks=sink, softcap=softcap)
+    out = out.cpu()
+    assert not torch.isnan(out).any(), "read a slot nobody wrote"
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    start = 0
+    for s, ((n, q), (k, v)) in enumerate(zip(seqs, hist)):
+        pos = torch.arange(n, n + q)
+        want = dense(query[start : start + q], k, v, pos, kind, size, scale, sink, softcap)
+        got = out[s : s + 1] if outputs_only else out[start : start + q]
+        if outputs_only:
+            want = want[-1:]
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+        start += q
+    # the write went exactly to the slots: each new key is where its table says
+    flat = k_cache.view(hkv, -1, d)
+    torch.testing.assert_close(flat[:, torch.tensor(slots)].permute(1, 0, 2), new_k)
+
+
+KINDS = [("full", None), ("sliding", 1), ("sliding", 7), ("sliding", 16), ("chunked", 1), ("chunked", 10),
+         ("chunked", 16), ("chunked", 33), ("sliding", 33)]
+
+
+@pytest.mark.parametrize("kind,size", KINDS, ids=lambda x: str(x))
+def test_prefill_and_decode_mix(kind, size):
+    # a fresh prefill, prefix hits, a chunked-prefill continuation, decodes
+    run_step(1, kind, size, 4, [(0, 13), (21, 1), (37, 6), (5, 1), (40, 19)])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_steps(seed):
+    rng = random.Random(1000 + seed)
+    kind = rng.choice(["full", "sliding", "chunked"])
+    size = None if kind == "full" else rng.randint(1, 33)
+    page = rng.randint(1, 16)
+    hkv = rng.choice([1, 2])
+    hq = hkv * rng.choice([1, 2, 3, 4])
+    d = rng.choice([8, 16, 24, 32])
+    seqs = [(rng.choice([0, rng.randint(0, 60)]), rng.choice([1, 1, rng.randint(1, 40)])) for _ in range(rng.randint(1, 4))]
+    run_step(seed, kind, size, page, seqs, hq=hq, hkv=hkv, d=d, sinks=rng.random() < 0.3,
+             softcap=rng.choice([None, None, 1.5]), outputs_only=rng.random() < 0.25)
+
+
+@pytest.mark.parametrize("kind,size", [("full", None), ("sliding", 5), ("chunked", 12)])
+@pytest.mark.parametrize("splits", [1, 3, 4])
+def test_split_decode(kind, size, splits):
+    run_step(7, kind, size, 4, [(70, 1), (3, 1), (0, 1), (45, 1)], hq=6, hkv=2, sinks=splits == 3,
+             softcap=2.0 if splits == 4 else None, num_splits=splits)
+
+
+def test_split_decode_padded_rows_are_zero():
+    """A padded row (seq_len 0: a CUDA-graph batch's spare row) reads and writes nothing but zeros."""
+    hkv, d = 1, 16
+    k_cache = torch.full((hkv, 4, 4, d), float("nan"))
+    table = torch.zeros(2, 3, dtype=torch.int64)
+    out = paged_attention_fwd(torch.randn(2, 2, d), k_cache, k_cache.clone(), table, torch.tensor([0, 0]),
+                              "full", None, 1.0, num_splits=2)
+    assert torch.equal(out, torch.zeros_like(out))
+    write_kv(torch.randn(2, hkv, d), torch.randn(2, hkv, d), k_cache, k_cache.clone(), torch.tensor([-1, -1]))
+    assert torch.isnan(k_cache).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_storage(dtype):
+    run_step(3, "sliding", 9, 8, [(0, 11), (30, 1), (12, 5)], dtype=dtype, d=32)
+    run_step(4, "full", None, 8, [(20, 1), (9, 1)], dtype=dtype, d=32, num_splits=2)
+
+
+def test_head_size_256_and_gqa_8():
+    run_step(5, "chunked", 16, 16, [(0, 9), (17, 1)], hq=8, hkv=1, d=256)
+
+
+def test_query_blocks_example():
+    assert query_blocks([0, 7], [5, 1], 4) == [0, 0, 0, 4, 0, 4, 4, 1, 1, 5, 7, 1]
+
+
+def test_decode_splits_rule():
+    assert decode_splits(64, 8, 100_000, 64) == 1  # 512 programs already
+    assert decode_splits(1, 1, 100_000, 64) == 16
+    assert decode_splits(1, 1, 100, 64) == 1  # 2 tiles: no split
