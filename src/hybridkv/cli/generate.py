@@ -160,19 +160,42 @@ def add_engine_options(p: argparse.ArgumentParser, *, max_num_seqs_default: str)
     p.add_argument("--prefix-cache-retention-interval", type=_retention, default=0, metavar="N|all",
                    help="state checkpoints kept by linear-attention / SSM layers: 0 the prompt's last (default, "
                         "vLLM's), all every block, N every N tokens (a multiple of the block size)")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--attention-backend", choices=("auto", "reference", "triton"), default="auto",
+                   help="paged attention: triton kernels (CUDA), the reference (torch ops), or auto: triton on "
+                        "CUDA when triton imports, else the reference (default auto)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: decode steps run eagerly (default: graphs on CUDA with triton)")
 
 
 def engine_config(args: argparse.Namespace, max_num_seqs: int):
     """The :class:`EngineConfig` of :func:`add_engine_options`' options (imports torch)."""
-    from hybridkv.engine.engine import EngineConfig
+    import torch
 
+    from hybridkv.engine.engine import EngineConfig
+    from hybridkv.engine.kernels import resolve_backend
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidConfigError(f"--device {args.device}: this torch build sees no CUDA device")
+    resolve_backend(args.attention_backend, device.type)  # refused before the model loads
     return EngineConfig(
+        device=args.device, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs or max_num_seqs, dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens, hybrid=not args.no_hybrid,
         prefix_cache_retention_interval=args.prefix_cache_retention_interval,
     )
+
+
+def _device(text: str) -> str:
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N``."""
+    name = text.strip().lower()
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (not index.isdigit() or kind == "cpu")):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return name
 
 
 def _retention(text: str) -> int | None:

@@ -104,6 +104,7 @@ class AttentionMetadata:
     slot_mappings: list[torch.Tensor]
     output_seqs: list[int] | None = None
     backend: str = "reference"  # "reference" (this module) or "triton" (hybridkv.engine.attention_triton)
+    decode_splits: int | None = None  # triton decode: programs per row's keys (None: chosen per step)
     _memo: dict[Any, Any] = field(default_factory=dict)
 
     @property

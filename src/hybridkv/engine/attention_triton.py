@@ -21,6 +21,7 @@ from hybridkv.engine.kernels.kv_write import write_kv
 from hybridkv.engine.kernels.paged_attention import (
     block_q_for,
     decode_splits,
+    num_sms,
     paged_attention_fwd,
     query_blocks,
     tile_n,
@@ -47,10 +48,10 @@ def triton_paged_attention(query, key, value, meta, layer: int, attn, scale: flo
     if keep is not None:
         query = query.index_select(0, keep)  # [N, Hq, D]
     if keep is None and max(meta.query_lens) == 1:  # a decode step
-        splits = meta.memo(
+        splits = meta.decode_splits or meta.memo(
             ("triton_splits", attn),
             lambda: decode_splits(meta.num_seqs, cache.shape[1], _max_keys(meta, attn.kind, attn.size),
-                                  tile_n(query.shape[2]), _num_sms(query.device)),
+                                  tile_n(query.shape[2]), num_sms(query.device)),
         )
         return paged_attention_fwd(query, cache[0], cache[1], table, meta.seq_len, attn.kind, attn.size, scale,
                                    sinks=sinks, softcap=softcap, num_splits=splits)
@@ -71,15 +72,3 @@ def _plan(meta, rep: int, outputs_only: bool) -> torch.Tensor:
         rows = query_blocks(meta.starts, meta.query_lens, block_q_for(rep, False))
     return long_tensor(rows, meta.positions.device).view(-1, 4)
 
-
-_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (132 stands in elsewhere)."""
-    if device.type != "cuda":
-        return 132
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]

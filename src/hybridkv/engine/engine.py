@@ -47,6 +47,7 @@ import torch
 from hybridkv.checkpoint import ModelSource
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheManagerConfig
 from hybridkv.core.kv_cache_manager import KVCacheManager
+from hybridkv.engine.decode_graphs import DecodeGraphs
 from hybridkv.engine.kernels import BACKENDS, resolve_backend
 from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation, torch_dtype
 from hybridkv.engine.layout import EngineLayout
@@ -229,9 +230,13 @@ class LLMEngine:
                 {g: group.layers for g, group in layout.state_groups.items()}, self.grouping.num_groups,
                 self.block_size, num_blocks, m.state_shape(), dtype=torch_dtype(config.dtype), device=config.device,
             )
+        #: pure-decode steps over static padded buffers, replayed as CUDA graphs on CUDA (None: all eager)
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.attention_backend == "triton" and not config.enforce_eager and self.states is None:
+            self.decode_graphs = DecodeGraphs(m, self.storage, config.max_num_seqs, self.max_model_len)
         self.runner = PagedModelRunner(m, self.storage, seed=config.seed,
                                        group_specs=[g.spec for g in attention.values()], states=self.states,
-                                       attention_backend=self.attention_backend)
+                                       attention_backend=self.attention_backend, decode_graphs=self.decode_graphs)
         #: where requests stop unless they ask ``ignore_eos`` (config.json + generation_config.json)
         self.eos_token_ids: tuple[int, ...] = m.eos_token_ids
         self._ids = itertools.count()

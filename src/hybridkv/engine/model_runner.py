@@ -27,6 +27,7 @@ import torch
 
 from hybridkv.core.specs import KVCacheSpec
 from hybridkv.engine.attention import AttentionMetadata
+from hybridkv.engine.decode_graphs import DecodeGraphs
 from hybridkv.engine.host import long_tensor
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.engine.models.base import CausalLM
@@ -83,6 +84,7 @@ class PagedModelRunner:
         group_specs: Sequence[KVCacheSpec] | None = None,
         states: StateRunner | None = None,
         attention_backend: str = "reference",
+        decode_graphs: "DecodeGraphs | None" = None,
     ) -> None:
         kv_layers = set(storage.layer_to_group_position)
         linear = set(getattr(model, "linear_layers", ()))
@@ -116,6 +118,10 @@ class PagedModelRunner:
         self.device = storage.device
         #: "reference" or "triton" (resolved: :func:`~hybridkv.engine.kernels.resolve_backend`)
         self.attention_backend = attention_backend
+        #: pure-decode steps over static padded buffers (CUDA graphs on CUDA); None: every step eager
+        self.decode_graphs = decode_graphs
+        if decode_graphs is not None and (attention_backend != "triton" or states is not None):
+            raise InvalidConfigError("decode graphs need the triton attention backend and a model without state layers")
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
@@ -141,6 +147,12 @@ class PagedModelRunner:
             tables = [r.block_ids for r in reqs]
         else:  # the KV storage holds the attention groups only
             tables = [[r.block_ids[g] for g in states.attention_groups] for r in reqs]
+        graphs = self.decode_graphs
+        if graphs is not None and all(len(r.token_ids) == 1 and r.sample for r in reqs) and graphs.fits(
+            len(reqs), max(len(t) for r in tables for t in r)
+        ):
+            logits = graphs.run(flat_ids, [r.num_computed_tokens for r in reqs], tables)  # [S, vocab]
+            return self._sample(reqs, list(range(len(reqs))), logits)
         meta = AttentionMetadata.build(
             self.storage,
             [r.num_computed_tokens for r in reqs],
@@ -157,6 +169,10 @@ class PagedModelRunner:
         if not sampled:
             return {}
         logits = self.model.compute_logits(hidden)  # [N, vocab]
+        return self._sample(reqs, sampled, logits)
+
+    def _sample(self, reqs, sampled: list[int], logits: torch.Tensor) -> dict[str, int]:
+        """One token per request ``reqs[i]`` of ``sampled`` from its row of ``logits`` [N, vocab]."""
         chosen = [reqs[i] for i in sampled]
         tokens = self.sampler.sample_rows(logits, [r.sampling for r in chosen], [r.num_output_tokens for r in chosen])
         result: dict[str, int] = {}

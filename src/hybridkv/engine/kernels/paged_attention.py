@@ -40,7 +40,7 @@ import triton.language as tl
 
 from hybridkv.engine.kernels import interpreter_on
 
-__all__ = ["KIND_CODES", "paged_attention_fwd", "query_blocks", "decode_splits", "block_q_for", "tile_n"]
+__all__ = ["KIND_CODES", "paged_attention_fwd", "query_blocks", "decode_splits", "block_q_for", "tile_n", "num_sms"]
 
 #: the kernel's code of each attention kind
 KIND_CODES = {"full": 0, "sliding": 1, "chunked": 2}
@@ -317,3 +317,16 @@ def paged_attention_fwd(
             HEAD=head, HEAD_PAD=head_pad, HAS_SINKS=sinks is not None,
         )
     return out
+
+
+_SMS: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132, an H200's, stands in elsewhere)."""
+    if device.type != "cuda":
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]

@@ -86,6 +86,7 @@ class Gemma3ForCausalLM(CausalLM):
             raise InvalidConfigError("Gemma 3 with use_bidirectional_attention is not a causal LM")
         self.eps = float(config.get("rms_norm_eps", 1e-6))
         self.final_logit_softcapping = config.get("final_logit_softcapping")
+        self._embed_scales: dict = {}  # (dtype, device) -> sqrt(hidden_size) in the weight dtype
         for layer_type in ("full_attention", "sliding_attention"):
             self.rotaries[layer_type] = RotaryEmbedding(
                 self._rope(config, layer_type), self.head_dim, self.max_position_embeddings
@@ -117,7 +118,10 @@ class Gemma3ForCausalLM(CausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight
-        scale = torch.tensor(self.hidden_size**0.5, dtype=weight.dtype, device=weight.device)
+        scale = self._embed_scales.get((weight.dtype, weight.device))
+        if scale is None:  # made once: a host-to-device copy per step would break CUDA graph capture
+            scale = torch.tensor(self.hidden_size**0.5, dtype=weight.dtype, device=weight.device)
+            self._embed_scales[(weight.dtype, weight.device)] = scale
         return self.model.embed_tokens(input_ids) * scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -118,10 +118,14 @@ class RotaryEmbedding:
     ) -> None:
         self.inv_freq, self.attention_scaling = inv_freq_and_scale(params, head_dim, max_position_embeddings)
         self.interleaved = interleaved
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # a copy per device: no copy per step
 
     def freqs(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [T] -> angles [T, D/2] (fp32)."""
-        return positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        inv_freq = self._inv_freq_on.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on[positions.device] = self.inv_freq.to(positions.device)
+        return positions.float().unsqueeze(-1) * inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin), each [T, D/2] scaled by ``attention_scaling``."""
