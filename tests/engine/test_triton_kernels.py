@@ -21,6 +21,8 @@ DEVICE = "cuda" if torch.cuda.is_available() and triton_unavailable("cuda") is N
 if triton_unavailable(DEVICE) is not None:
     pytest.skip(triton_unavailable(DEVICE), allow_module_level=True)
 
+from _dense_attention import dense, first_key  # noqa: E402
+
 from hybridkv.engine.kernels.kv_write import write_kv  # noqa: E402
 from hybridkv.engine.kernels.paged_attention import (  # noqa: E402
     block_q_for,
@@ -28,34 +30,6 @@ from hybridkv.engine.kernels.paged_attention import (  # noqa: E402
     paged_attention_fwd,
     query_blocks,
 )
-
-
-def first_key(kind, size, p):
-    if kind == "sliding":
-        return max(0, p - size + 1)
-    if kind == "chunked":
-        return p // size * size
-    return 0
-
-
-def dense(q, k, v, positions, kind, size, scale, sinks=None, softcap=None):
-    """q [Tq, Hq, D] at ``positions``; k / v [L, Hkv, D] for positions 0..L-1; fp64."""
-    q, k, v = q.double(), k.double(), v.double()
-    rep = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(rep, 1).permute(1, 0, 2)  # [Hq, L, D]
-    v = v.repeat_interleave(rep, 1).permute(1, 0, 2)
-    s = torch.einsum("thd,hld->htl", q, k) * scale
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
-    kp = torch.arange(k.shape[1])
-    mask = torch.stack([(kp <= p) & (kp >= first_key(kind, size, int(p))) for p in positions])  # [Tq, L]
-    s = s.masked_fill(~mask, float("-inf"))
-    if sinks is not None:
-        s = torch.cat([s, sinks.double().view(-1, 1, 1).expand(-1, s.shape[1], 1)], -1)
-        p = torch.softmax(s, -1)[..., :-1]
-    else:
-        p = torch.softmax(s, -1)
-    return torch.einsum("htl,hld->thd", p, v)
 
 
 def make_case(rng, kind, size, page, seqs, hq, hkv, d, dtype, num_blocks):

@@ -105,6 +105,7 @@ class AttentionMetadata:
     output_seqs: list[int] | None = None
     backend: str = "reference"  # "reference" (this module) or "triton" (hybridkv.engine.attention_triton)
     decode_splits: int | None = None  # triton decode: programs per row's keys (None: chosen per step)
+    block_ids: Sequence[Sequence[Sequence[int]]] | None = None  # the tables as given (cascade reads them)
     _memo: dict[Any, Any] = field(default_factory=dict)
 
     @property
@@ -188,6 +189,7 @@ class AttentionMetadata:
             slot_mappings=list(slots.unbind(0)),  # [T] each
             output_seqs=None if output_seqs is None else [int(s) for s in output_seqs],
             backend=backend,
+            block_ids=block_ids,
         )
 
     def memo(self, key: Any, make: Callable[[], Any]) -> Any:

@@ -10,17 +10,23 @@ group's block table and the step's sequence lengths, nothing gathered:
   row ``s`` = sequence ``s``, its keys split across programs when few rows would leave
   the GPU idle (flash-decoding);
 * any other step runs the varlen kernel over its query blocks; the last layer's
-  ``keep`` rows (each sampled sequence's last token) become one-query blocks.
+  ``keep`` rows (each sampled sequence's last token) become one-query blocks;
+* a step whose sequences share a long prefix in the layer's group attends to it once
+  (cascade attention, :mod:`hybridkv.engine.cascade`): a prefix pass for all queries,
+  a suffix pass per sequence, merged; never in a CUDA-graph step (its shapes are fixed).
 """
 
 from __future__ import annotations
 
 import torch
 
+from hybridkv.engine.cascade import cascade_prefix_len
+from hybridkv.engine.host import long_tensor
 from hybridkv.engine.kernels.kv_write import write_kv
 from hybridkv.engine.kernels.paged_attention import (
     block_q_for,
     decode_splits,
+    merge_attention,
     num_sms,
     paged_attention_fwd,
     query_blocks,
@@ -47,6 +53,9 @@ def triton_paged_attention(query, key, value, meta, layer: int, attn, scale: flo
     rep = query.shape[1] // cache.shape[1]
     if keep is not None:
         query = query.index_select(0, keep)  # [N, Hq, D]
+    prefix = meta.memo(("cascade", group, attn), lambda: _cascade_prefix(meta, group, attn, query.shape[1], cache))
+    if prefix:
+        return _cascade(query, cache, table, meta, attn, scale, sinks, softcap, prefix, rep, keep is not None)
     if keep is None and max(meta.query_lens) == 1:  # a decode step
         splits = meta.decode_splits or meta.memo(
             ("triton_splits", attn),
@@ -60,10 +69,39 @@ def triton_paged_attention(query, key, value, meta, layer: int, attn, scale: flo
                                plan=plan, sinks=sinks, softcap=softcap)
 
 
+def _cascade_prefix(meta, group: int, attn, num_heads: int, cache: torch.Tensor) -> int:
+    """Tokens of the prefix every sequence shares in ``group`` that this step attends to once (0: none)."""
+    if meta.block_ids is None or meta.decode_splits is not None:  # a graph step: fixed shapes
+        return 0
+    return cascade_prefix_len(
+        [t[group] for t in meta.block_ids], meta.starts, meta.query_lens, meta.storage.block_size,
+        attn.kind, attn.size, num_heads, cache.shape[1], num_sms(meta.positions.device),
+    )
+
+
+def _cascade(query, cache, table, meta, attn, scale, sinks, softcap, prefix: int, rep: int,
+             outputs_only: bool) -> torch.Tensor:
+    """query [N, Hq, D] -> [N, Hq, D]: keys ``[0, prefix)`` once for all rows, the rest per sequence."""
+    rows, num_heads = query.shape[0], query.shape[1]
+    block_q = block_q_for(rep, False)
+
+    def shared_plan() -> torch.Tensor:  # every row after the prefix, read through sequence 0's table
+        flat = [v for r in range(0, rows, block_q) for v in (0, r, prefix - 1, min(block_q, rows - r))]
+        return long_tensor(flat, query.device).view(-1, 4)
+
+    plan_a = meta.memo(("cascade_plan", rep, outputs_only, prefix), shared_plan)
+    lse_a = torch.empty(rows, num_heads, dtype=torch.float32, device=query.device)
+    out_a = paged_attention_fwd(query, cache[0], cache[1], table, meta.seq_len, "full", None, scale,
+                                plan=plan_a, softcap=softcap, key_end=prefix, lse=lse_a)
+    plan_b = meta.memo(("triton_plan", rep, outputs_only), lambda: _plan(meta, rep, outputs_only))
+    lse_b = torch.empty_like(lse_a)
+    out_b = paged_attention_fwd(query, cache[0], cache[1], table, meta.seq_len, attn.kind, attn.size, scale,
+                                plan=plan_b, softcap=softcap, key_start=prefix, lse=lse_b)
+    return merge_attention(torch.empty_like(query), out_a, lse_a, out_b, lse_b, sinks)
+
+
 def _plan(meta, rep: int, outputs_only: bool) -> torch.Tensor:
     """The step's query blocks [NQB, 4] on the device (one copy)."""
-    from hybridkv.engine.host import long_tensor
-
     if outputs_only:
         seqs = meta.output_seqs or []
         ends = [meta.starts[s] + meta.query_lens[s] - 1 for s in seqs]

@@ -40,10 +40,12 @@ import triton.language as tl
 
 from hybridkv.engine.kernels import interpreter_on
 
-__all__ = ["KIND_CODES", "paged_attention_fwd", "query_blocks", "decode_splits", "block_q_for", "tile_n", "num_sms"]
+__all__ = ["KIND_CODES", "KEY_END", "merge_attention", "paged_attention_fwd", "query_blocks", "decode_splits", "block_q_for", "tile_n", "num_sms"]
 
 #: the kernel's code of each attention kind
 KIND_CODES = {"full": 0, "sliding": 1, "chunked": 2}
+#: no upper key limit (int32: the kernel's positions)
+KEY_END = 2**31 - 1
 
 
 @triton.jit
@@ -68,14 +70,15 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _attention_kernel(
     q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, plan_ptr, sinks_ptr,
-    part_acc_ptr, part_ml_ptr,
-    scale, softcap, size,
+    part_acc_ptr, part_ml_ptr, lse_ptr,
+    scale, softcap, size, key_start, key_end,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kh, stride_kb, stride_ko, stride_vh, stride_vb, stride_vo, stride_ts,
     NUM_HEADS: tl.constexpr, REP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr,
     KIND: tl.constexpr, DECODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    OUT_LSE: tl.constexpr,
 ):
     qb = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -108,8 +111,8 @@ def _attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    lo = _first_key(pos0, KIND, size)
-    hi = pos0 + n_q  # keys [lo, hi)
+    lo = tl.maximum(_first_key(pos0, KIND, size), key_start)
+    hi = tl.minimum(pos0 + n_q, key_end)  # keys [lo, hi)
     row_lo = _first_key(pos, KIND, size)  # [BLOCK_M]
     t_first = lo // BLOCK_N
     num_tiles = tl.where(n_q > 0, (hi + BLOCK_N - 1) // BLOCK_N - t_first, 0)
@@ -156,6 +159,9 @@ def _attention_kernel(
         acc = acc * alpha[:, None] + pv
         m = m_new
 
+    if OUT_LSE:  # a cascade pass: log-sum-exp of the row's scores, for the merge (no sinks here)
+        lse = tl.where(l > 0.0, m + tl.log(tl.where(l > 0.0, l, 1.0)), float("-inf"))
+        tl.store(lse_ptr + (row0 + qi) * NUM_HEADS + head, lse, mask=row_ok)
     if NUM_SPLITS == 1:
         if HAS_SINKS:  # the sink's logit joins the denominator
             sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
@@ -202,6 +208,49 @@ def _merge_splits_kernel(
     acc = tl.load(part_acc_ptr + base[:, None] * HEAD_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD)
+
+
+@triton.jit
+def _merge_two_kernel(
+    out_ptr, a_ptr, lse_a_ptr, b_ptr, lse_b_ptr, sinks_ptr,
+    stride_ot, stride_oh, stride_at, stride_ah, stride_bt, stride_bh,
+    NUM_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    """out = softmax-weighted mix of two attentions over disjoint keys (each normalised, with its LSE)."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    lse_a = tl.load(lse_a_ptr + row * NUM_HEADS + head)
+    lse_b = tl.load(lse_b_ptr + row * NUM_HEADS + head)
+    m = tl.maximum(lse_a, lse_b)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m = tl.maximum(m, sink)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w_a = tl.exp(lse_a - m)
+    w_b = tl.exp(lse_b - m)
+    total = w_a + w_b
+    if HAS_SINKS:
+        total += tl.exp(sink - m)
+    d = tl.arange(0, HEAD_PAD)
+    ok = d < HEAD
+    a = tl.load(a_ptr + row * stride_at + head * stride_ah + d, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row * stride_bt + head * stride_bh + d, mask=ok, other=0.0).to(tl.float32)
+    out = (a * w_a + b * w_b) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def merge_attention(out: torch.Tensor, a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor, lse_b: torch.Tensor,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Merge two attentions of the same queries over disjoint key sets: a / b / out [T, Hq, D],
+    lse_a / lse_b [T, Hq] fp32 (their rows' log-sum-exp); ``sinks`` [Hq] join the denominator once."""
+    num_tokens, num_heads, head = out.shape
+    if num_tokens:
+        _merge_two_kernel[(num_tokens, num_heads)](
+            out, a, lse_a, b, lse_b, sinks if sinks is not None else lse_a,
+            out.stride(0), out.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            NUM_HEADS=num_heads, HEAD=head, HEAD_PAD=max(16, _pow2(head)), HAS_SINKS=sinks is not None,
+        )
+    return out
 
 
 def _pow2(n: int) -> int:
@@ -268,13 +317,18 @@ def paged_attention_fwd(
     softcap: float | None = None,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    key_start: int = 0,
+    key_end: int = KEY_END,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend ``query`` [T, Hq, D] through ``table`` over the paged caches; returns [T, Hq, D].
 
     plan: the :func:`query_blocks` rows as an int tensor [NQB, 4] (``num_blocks_q`` = NQB),
     built with ``block_q_for(rep, False)``; None: a decode batch, row ``s`` is sequence
     ``s``'s token at position ``seq_lens[s] - 1`` (``seq_lens[s] == 0``: a padded row,
-    left untouched). ``num_splits`` > 1 only for decode.
+    left untouched). ``num_splits`` > 1 only for decode. ``key_start`` / ``key_end`` limit every
+    row to keys in ``[key_start, key_end)`` (the two passes of cascade attention); ``lse`` [T, Hq]
+    fp32 receives each row's log-sum-exp (then leave ``sinks`` to :func:`merge_attention`).
     """
     num_tokens, num_heads, head = query.shape
     num_kv, _, page, _ = key_cache.shape
@@ -299,16 +353,19 @@ def paged_attention_fwd(
         part_ml = torch.empty(num_tokens * num_heads * num_splits * 2, dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = dummy
+    if lse is not None and (num_splits != 1 or sinks is not None):
+        raise ValueError("a cascade pass (lse) takes neither splits nor sinks")
     _attention_kernel[(grid_q, num_kv, num_splits)](
         query, out, key_cache, value_cache, table, seq_lens, plan if plan is not None else dummy,
-        sinks if sinks is not None else dummy, part_acc, part_ml,
-        float(scale), float(softcap or 0.0), int(size or 0),
+        sinks if sinks is not None else dummy, part_acc, part_ml, lse if lse is not None else dummy,
+        float(scale), float(softcap or 0.0), int(size or 0), int(key_start), int(key_end),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), table.stride(0),
         NUM_HEADS=num_heads, REP=rep, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD=head,
         HEAD_PAD=head_pad, PAGE=page, KIND=KIND_CODES[kind], DECODE=decode, NUM_SPLITS=num_splits,
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, UPCAST=upcast, IEEE=ieee,
+        OUT_LSE=lse is not None,
     )
     if num_splits > 1:
         _merge_splits_kernel[(grid_q, num_heads)](
