@@ -104,7 +104,8 @@ class AttentionMetadata:
     slot_mappings: list[torch.Tensor]
     output_seqs: list[int] | None = None
     backend: str = "reference"  # "reference" (this module) or "triton" (hybridkv.engine.attention_triton)
-    decode_splits: int | None = None  # triton decode: programs per row's keys (None: chosen per step)
+    #: a CUDA-graph decode step: no sequence has more keys than this (its splits are fixed by it, not by the step)
+    decode_key_bound: int | None = None
     block_ids: Sequence[Sequence[Sequence[int]]] | None = None  # the tables as given (cascade reads them)
     _memo: dict[Any, Any] = field(default_factory=dict)
 

@@ -37,8 +37,8 @@ __all__ = ["triton_paged_attention"]
 
 
 def _max_keys(meta, kind: str, size: int | None) -> int:
-    """The most keys one decode row of this step reads under ``kind``."""
-    longest = max(a + n for a, n in zip(meta.starts, meta.query_lens))
+    """The most keys one decode row of this step reads under ``kind`` (a graph step: at most ever)."""
+    longest = meta.decode_key_bound or max(a + n for a, n in zip(meta.starts, meta.query_lens))
     return longest if kind == "full" else min(longest, int(size))
 
 
@@ -57,7 +57,7 @@ def triton_paged_attention(query, key, value, meta, layer: int, attn, scale: flo
     if prefix:
         return _cascade(query, cache, table, meta, attn, scale, sinks, softcap, prefix, rep, keep is not None)
     if keep is None and max(meta.query_lens) == 1:  # a decode step
-        splits = meta.decode_splits or meta.memo(
+        splits = meta.memo(
             ("triton_splits", attn),
             lambda: decode_splits(meta.num_seqs, cache.shape[1], _max_keys(meta, attn.kind, attn.size),
                                   tile_n(query.shape[2]), num_sms(query.device)),
@@ -71,7 +71,7 @@ def triton_paged_attention(query, key, value, meta, layer: int, attn, scale: flo
 
 def _cascade_prefix(meta, group: int, attn, num_heads: int, cache: torch.Tensor) -> int:
     """Tokens of the prefix every sequence shares in ``group`` that this step attends to once (0: none)."""
-    if meta.block_ids is None or meta.decode_splits is not None:  # a graph step: fixed shapes
+    if meta.block_ids is None or meta.decode_key_bound is not None:  # a graph step: fixed shapes
         return 0
     return cascade_prefix_len(
         [t[group] for t in meta.block_ids], meta.starts, meta.query_lens, meta.storage.block_size,

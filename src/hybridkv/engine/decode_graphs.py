@@ -9,7 +9,7 @@ CI tests everything but the capture itself (triton's interpreter on a CPU).
 
 Per step the host writes the metadata into one pinned buffer and sends it to the device
 in one copy (the block tables, ``[G, B, W]`` of which only the step's widest table is
-sent, in a second); a padded row has sequence length 0 and slot -1, so the kernels
+sent, in a second, then placed by one device copy); a padded row has sequence length 0 and slot -1, so the kernels
 neither read nor write for it. Nothing in the step waits for the device except reading
 the sampled token ids afterwards.
 
@@ -65,19 +65,19 @@ class DecodeGraphs:
         self.num_groups = g = storage.num_groups
         self.device = device = storage.device
         self.capture = device.type == "cuda" if capture is None else capture
-        from hybridkv.engine.kernels.paged_attention import decode_splits, num_sms, tile_n  # imports triton
 
         pin = device.type == "cuda"
         # [ids B | positions B | seq_lens B | slots G*B], int64, one copy per step
         self._host = torch.empty((3 + g) * b, dtype=torch.long, pin_memory=pin)
         self._dev = torch.zeros((3 + g) * b, dtype=torch.long, device=device)
-        self._host_tables = torch.zeros(g, b, w, dtype=torch.long, pin_memory=pin)
+        # a step's tables [G, n, widest] go contiguous through one pinned and one device staging buffer
+        self._host_tables = torch.zeros(g * b * w, dtype=torch.long, pin_memory=pin)
+        self._staged_tables = torch.zeros(g * b * w, dtype=torch.long, device=device)
         self.tables = torch.zeros(g, b, w, dtype=torch.long, device=device)  # [G, B, W]
         self.input_ids, self.positions, self.seq_lens = self._dev[:b], self._dev[b : 2 * b], self._dev[2 * b : 3 * b]
         self.slots = self._dev[3 * b :].view(g, b)  # [G, B]
-        splits_for = lambda size: decode_splits(  # noqa: E731  fixed per size: the context grows under a graph
-            size, storage.num_kv_heads, max_model_len, tile_n(storage.head_size), num_sms(device))
-        self._meta = {size: self._metadata(size, splits_for(size)) for size in self.sizes}
+        self.max_model_len = max_model_len
+        self._meta = {size: self._metadata(size) for size in self.sizes}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.graphs_failed: str | None = None  # why capture was given up (the runs go on eagerly)
@@ -86,7 +86,7 @@ class DecodeGraphs:
         """Whether a decode batch of ``num_seqs`` with tables up to ``widest`` blocks runs here."""
         return num_seqs <= self.max_batch and widest <= self.width
 
-    def _metadata(self, size: int, splits: int) -> AttentionMetadata:
+    def _metadata(self, size: int) -> AttentionMetadata:
         """Attention metadata over the first ``size`` rows of the static buffers."""
         return AttentionMetadata(
             storage=self.storage, positions=self.positions[:size], start=self.positions[:size],
@@ -94,7 +94,7 @@ class DecodeGraphs:
             starts=[0] * size, query_lens=[1] * size,
             block_tables=[self.tables[g, :size] for g in range(self.num_groups)],
             slot_mappings=[self.slots[g, :size] for g in range(self.num_groups)],
-            output_seqs=None, backend="triton", decode_splits=splits,
+            output_seqs=None, backend="triton", decode_key_bound=self.max_model_len,
         )
 
     def _load(self, tokens: Sequence[int], computed: Sequence[int], tables: Sequence[Sequence[Sequence[int]]],
@@ -120,10 +120,13 @@ class DecodeGraphs:
                 slots.append(t[p // bs] * bs + p % bs)
             slots.extend([-1] * pad)
         host[3 * b :].view(self.num_groups, b)[:, :size] = long_tensor(slots).view(self.num_groups, size)
-        self._host_tables[:, :n, :widest] = long_tensor(flat).view(self.num_groups, n, widest)
+        count = len(flat)
+        self._host_tables[:count] = long_tensor(flat)
         nb = self.device.type == "cuda"
         self._dev.copy_(host, non_blocking=nb)
-        self.tables[:, :n, :widest].copy_(self._host_tables[:, :n, :widest], non_blocking=nb)
+        staged = self._staged_tables[:count]
+        staged.copy_(self._host_tables[:count], non_blocking=nb)
+        self.tables[:, :n, :widest] = staged.view(self.num_groups, n, widest)
 
     def _forward(self, size: int) -> torch.Tensor:
         meta = self._meta[size]

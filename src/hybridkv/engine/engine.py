@@ -232,7 +232,8 @@ class LLMEngine:
             )
         #: pure-decode steps over static padded buffers, replayed as CUDA graphs on CUDA (None: all eager)
         self.decode_graphs: DecodeGraphs | None = None
-        if self.attention_backend == "triton" and not config.enforce_eager and self.states is None:
+        if (self.attention_backend == "triton" and not config.enforce_eager and self.states is None
+                and m.supports_cuda_graphs):
             self.decode_graphs = DecodeGraphs(m, self.storage, config.max_num_seqs, self.max_model_len)
         self.runner = PagedModelRunner(m, self.storage, seed=config.seed,
                                        group_specs=[g.spec for g in attention.values()], states=self.states,

@@ -40,7 +40,10 @@ import triton.language as tl
 
 from hybridkv.engine.kernels import interpreter_on
 
-__all__ = ["KIND_CODES", "KEY_END", "merge_attention", "paged_attention_fwd", "query_blocks", "decode_splits", "block_q_for", "tile_n", "num_sms"]
+__all__ = [
+    "KIND_CODES", "KEY_END", "block_q_for", "decode_splits", "merge_attention", "num_sms", "paged_attention_fwd",
+    "query_blocks", "tile_n",
+]
 
 #: the kernel's code of each attention kind
 KIND_CODES = {"full": 0, "sliding": 1, "chunked": 2}

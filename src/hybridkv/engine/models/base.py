@@ -175,6 +175,9 @@ class CausalLM(nn.Module):
     #: name prefixes of checkpoint tensors the model does not use and the loader skips
     #: (Qwen3-Next's multi-token-prediction head ``mtp.``, which transformers skips too)
     ignored_weights: ClassVar[tuple[str, ...]] = ()
+    #: whether a decode forward can be captured as a CUDA graph (no host-side control flow:
+    #: a mixture of experts that picks its experts with ``.tolist()`` cannot)
+    supports_cuda_graphs: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

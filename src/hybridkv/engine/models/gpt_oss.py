@@ -96,6 +96,7 @@ class GptOssMoE(nn.Module):
 
 class GptOssForCausalLM(CausalLM):
     family = "gpt_oss"
+    supports_cuda_graphs = False  # the experts are picked on the host
 
     def __init__(self, config: Mapping[str, Any], label: str = "config") -> None:
         super().__init__(config, label)

@@ -141,6 +141,7 @@ class Llama4ForCausalLM(CausalLM):
         step = int(config.get("interleave_moe_layer_step", 1))
         moe = config.get("moe_layers")
         self.moe_layers = set(moe if moe is not None else range(step - 1, n, step))
+        self.supports_cuda_graphs = not self.moe_layers  # the experts are picked on the host
         self.rotaries["default"] = RotaryEmbedding(
             rope_parameters(config, 500000.0), self.head_dim, self.max_position_embeddings, interleaved=True
         )

@@ -181,6 +181,7 @@ class Qwen3NextForCausalLM(CausalLM):
     """Qwen3-Next: Gated DeltaNet and gated full-attention layers, MoE MLPs."""
 
     family = "qwen3_next"
+    supports_cuda_graphs = False  # the experts are picked on the host (and state layers run eagerly)
     #: Qwen3.5 projects q|k|v, z, b and a with four linears (``in_proj_qkv`` ...)
     split_projections = False
     default_rope_theta = 10000.0
