@@ -98,11 +98,23 @@ def _run(engine: LLMEngine, prompts: list[list[int]]):
     return [done[i] for i in ids]
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("name", ["linear_last", "qwen3_5"])
-def test_engine_equals_transformers(tiny, name, scenario):
+def _triton_runs() -> bool:
+    try:
+        from hybridkv.engine.kernels import triton_unavailable
+    except ImportError:
+        return False
+    return triton_unavailable("cpu") is None
+
+
+#: the attention layers through the triton kernels too (the interpreter on a CPU): two scenarios
+CASES = [(n, s, "reference") for n in ("linear_last", "qwen3_5") for s in SCENARIOS]
+CASES += [("linear_last", s, "triton") for s in ("dense_chunked", "small_pool") if _triton_runs()]
+
+
+@pytest.mark.parametrize("name,scenario,backend", CASES)
+def test_engine_equals_transformers(tiny, name, scenario, backend):
     model = tiny(name)
-    engine = LLMEngine(model[2], EngineConfig(**BASE, **SCENARIOS[scenario]))
+    engine = LLMEngine(model[2], EngineConfig(**BASE, **SCENARIOS[scenario], attention_backend=backend))
     assert engine.block_size == 16
     assert engine.grouping.group_size == (3 if scenario == "group_size_3" else 1)
     first = _run(engine, ROUND1)

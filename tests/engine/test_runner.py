@@ -119,3 +119,19 @@ def test_runner_checks_storage_layout(llama4):
     # layer 3 is NoPE full attention, layers 0-2 chunked: one group cannot hold both
     with pytest.raises(InvalidConfigError, match="mixes attention types"):
         PagedModelRunner(model, PagedKVStorage([list(range(n))], 4, 8, model.num_kv_heads, model.head_dim))
+
+
+def test_pinned_stager_regions_never_alias_within_a_step():
+    """Uploads of one step keep their values while later ones fill (and outgrow) the buffer."""
+    from hybridkv.engine.host import PinnedStager
+
+    stager = PinnedStager("cpu", capacity=8)
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(3):  # steps
+        stager.reset()
+        sent = []
+        for n in torch.randint(0, 7, (12,), generator=rng).tolist():
+            values = torch.randint(-(2**40), 2**40, (n,), generator=rng).tolist()
+            sent.append((values, stager.long_tensor(values)))
+        for values, tensor in sent:
+            assert tensor.tolist() == values and tensor.dtype == torch.long

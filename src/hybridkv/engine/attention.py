@@ -107,6 +107,8 @@ class AttentionMetadata:
     #: a CUDA-graph decode step: no sequence has more keys than this (its splits are fixed by it, not by the step)
     decode_key_bound: int | None = None
     block_ids: Sequence[Sequence[Sequence[int]]] | None = None  # the tables as given (cascade reads them)
+    #: ints -> an int64 tensor on the device (per-step plans use it; a CUDA runner's stages them, no sync)
+    upload: Callable[[Sequence[int]], torch.Tensor] | None = None
     _memo: dict[Any, Any] = field(default_factory=dict)
 
     @property
@@ -126,13 +128,17 @@ class AttentionMetadata:
         block_ids: Sequence[Sequence[Sequence[int]]],
         output_seqs: Sequence[int] | None = None,
         backend: str = "reference",
+        upload: Callable[[Sequence[int]], torch.Tensor] | None = None,
     ) -> "AttentionMetadata":
         """Metadata for ``S`` sequences; ``block_ids[s][g]`` is sequence ``s``'s group-``g`` table.
 
         output_seqs: sequence indices whose last token's output is wanted (the model then
         runs its last layer's attention queries and MLP for those rows only).
+        upload: how ints reach the device (default :func:`~hybridkv.engine.host.long_tensor`).
         """
         device = storage.device
+        if upload is None:
+            upload = lambda values: long_tensor(values, device)  # noqa: E731
         bs = storage.block_size
         num_seqs = len(num_computed)
         if len(query_lens) != num_seqs or len(block_ids) != num_seqs:
@@ -156,15 +162,16 @@ class AttentionMetadata:
                     )
 
         starts, lens = [int(n) for n in num_computed], [int(q) for q in query_lens]
-        start = long_tensor(starts, device)  # [S]
-        q_len = long_tensor(lens, device)  # [S]
+        start = upload(starts)  # [S]
+        q_len = upload(lens)  # [S]
         if max(lens) == 1:  # a pure decode step: one token per sequence
             seq_ids = torch.arange(num_seqs, device=device)  # [T = S]
             positions = start
         else:
-            seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_len)  # [T]
+            total = sum(lens)  # given, so that no size is read back from the device
+            seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_len, output_size=total)  # [T]
             cu = torch.cumsum(q_len, 0) - q_len  # [S] first flat token of each sequence
-            offset = torch.arange(seq_ids.shape[0], device=device) - cu[seq_ids]  # [T] index within the sequence
+            offset = torch.arange(total, device=device) - cu[seq_ids]  # [T] index within the sequence
             positions = start[seq_ids] + offset  # [T]
 
         # every group's table in one tensor [S, G, W], null-padded to the widest table
@@ -175,7 +182,7 @@ class AttentionMetadata:
             for t in tables:
                 flat.extend(t)
                 flat.extend([0] * (width - len(t)))
-        tables_sgw = long_tensor(flat, device).view(num_seqs, num_groups, width)  # [S, G, W]
+        tables_sgw = upload(flat).view(num_seqs, num_groups, width)  # [S, G, W]
         slots = tables_sgw.permute(1, 0, 2)[:, seq_ids, torch.div(positions, bs, rounding_mode="floor")]  # [G, T]
         slots = slots * bs + positions % bs
         return cls(
@@ -191,6 +198,7 @@ class AttentionMetadata:
             output_seqs=None if output_seqs is None else [int(s) for s in output_seqs],
             backend=backend,
             block_ids=block_ids,
+            upload=upload,
         )
 
     def memo(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -209,7 +217,8 @@ class AttentionMetadata:
             if seqs is None or (len(seqs) == self.num_tokens and seqs == list(range(self.num_seqs))):
                 return None
             ends = list(itertools.accumulate(self.query_lens))
-            return long_tensor([ends[s] - 1 for s in seqs], self.positions.device)
+            rows = [ends[s] - 1 for s in seqs]
+            return self.upload(rows) if self.upload is not None else long_tensor(rows, self.positions.device)
 
         return self.memo("output_rows", make)
 

@@ -13,7 +13,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["long_tensor"]
+__all__ = ["long_tensor", "PinnedStager"]
 
 
 def long_tensor(values: Iterable[int], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -23,3 +23,43 @@ def long_tensor(values: Iterable[int], device: torch.device | str = "cpu") -> to
         return torch.empty(0, dtype=torch.long, device=device)
     out = torch.frombuffer(buf, dtype=torch.long)  # shares buf's memory and keeps it alive
     return out if torch.device(device).type == "cpu" else out.to(device)
+
+
+class PinnedStager:
+    """Python ints to a CUDA device without a host synchronisation.
+
+    ``long_tensor`` on a CUDA device copies from pageable memory, which waits for the
+    device; this packs each upload into the next free region of one pinned buffer and
+    copies it asynchronously. Regions are never reused within a step: call :meth:`reset`
+    at the start of a step, once the last one's results were read (that read waited for
+    its copies). A buffer that overflows is replaced by a twice larger one; the old one
+    stays alive until the next reset, as a copy from it may still be in flight.
+    """
+
+    def __init__(self, device: torch.device | str, capacity: int = 1 << 16) -> None:
+        self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"  # elsewhere (tests) the same bookkeeping, unpinned
+        self._buf = torch.empty(capacity, dtype=torch.long, pin_memory=self._pin)
+        self._used = 0
+        self._retired: list[torch.Tensor] = []
+
+    def reset(self) -> None:
+        self._used = 0
+        self._retired.clear()
+
+    def long_tensor(self, values: Iterable[int]) -> torch.Tensor:
+        """int64 tensor [n] of ``values`` on the device (as :func:`long_tensor`)."""
+        buf = array("q", values)
+        n = len(buf)
+        if not n:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        if self._used + n > self._buf.numel():
+            self._retired.append(self._buf)
+            self._buf = torch.empty(max(2 * self._buf.numel(), n), dtype=torch.long, pin_memory=self._pin)
+            self._used = 0
+        region = self._buf[self._used : self._used + n]
+        region.copy_(torch.frombuffer(buf, dtype=torch.long))
+        self._used += n
+        if not self._pin:
+            return region.clone()  # a CPU "device": the region itself would be overwritten after a reset
+        return region.to(self.device, non_blocking=True)

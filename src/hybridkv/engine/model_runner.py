@@ -28,7 +28,7 @@ import torch
 from hybridkv.core.specs import KVCacheSpec
 from hybridkv.engine.attention import AttentionMetadata
 from hybridkv.engine.decode_graphs import DecodeGraphs
-from hybridkv.engine.host import long_tensor
+from hybridkv.engine.host import PinnedStager, long_tensor
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.sampling import Sampler
@@ -116,6 +116,8 @@ class PagedModelRunner:
         self.sampler = Sampler(seed)
         self.last_logits: dict[str, torch.Tensor] = {}
         self.device = storage.device
+        #: a step's ints reach a CUDA device through pinned memory, with no host synchronisation
+        self.stager = PinnedStager(self.device) if self.device.type == "cuda" else None
         #: "reference" or "triton" (resolved: :func:`~hybridkv.engine.kernels.resolve_backend`)
         self.attention_backend = attention_backend
         #: pure-decode steps over static padded buffers (CUDA graphs on CUDA); None: every step eager
@@ -127,6 +129,8 @@ class PagedModelRunner:
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         """Compute the step; return request id -> sampled token for requests with ``sample``."""
         self.last_logits = {}
+        if self.stager is not None:
+            self.stager.reset()  # the last step's sampled ids were read: its copies are done
         reqs = output.scheduled
         if not reqs:
             return {}
@@ -160,8 +164,9 @@ class PagedModelRunner:
             tables,
             output_seqs=sampled,
             backend=self.attention_backend,
+            upload=None if self.stager is None else self.stager.long_tensor,
         )
-        input_ids = long_tensor(flat_ids, self.device)  # [T]
+        input_ids = long_tensor(flat_ids, self.device) if self.stager is None else self.stager.long_tensor(flat_ids)
         if states is None:
             hidden = self.model(input_ids, meta.positions, meta)  # [N, hidden]: sampled requests' last tokens
         else:
