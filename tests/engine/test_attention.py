@@ -138,17 +138,28 @@ def test_sinks_and_softcap_match_dense():
     _scenario(FULL, 8, SEQS, seed=4, softcap=2.0)
 
 
-def test_null_block_in_needed_range_is_an_invariant_violation():
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_null_block_in_needed_range_is_an_invariant_violation(backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from hybridkv.engine.kernels import triton_unavailable
+
+        if triton_unavailable("cpu") is not None:
+            pytest.skip(triton_unavailable("cpu"))
     storage = PagedKVStorage([[0]], 4, 16, H_KV, D)
     # query at position 10, window 5 needs keys 6..10 -> blocks 1 and 2; block 1 is null here
-    meta = AttentionMetadata.build(storage, [10], [1], [[[3, 0, 5]]])
+    meta = AttentionMetadata.build(storage, [10], [1], [[[3, 0, 5]]], backend=backend)
     q = torch.zeros(1, H_Q, D)
     kv = torch.zeros(1, H_KV, D)
     with pytest.raises(InvariantViolation, match="null block"):
         paged_attention(q, kv, kv, meta, 0, AttentionType("sliding", 5), 1.0)
     # the same table is fine for window 3 (keys 8..10, block 2 only)
-    meta = AttentionMetadata.build(storage, [10], [1], [[[3, 0, 5]]])
+    meta = AttentionMetadata.build(storage, [10], [1], [[[3, 0, 5]]], backend=backend)
     paged_attention(q, kv, kv, meta, 0, AttentionType("sliding", 3), 1.0)
+    # a write to the null block is refused too
+    meta = AttentionMetadata.build(storage, [0], [1], [[[0]]], backend=backend)
+    with pytest.raises(InvariantViolation, match="write to the null block"):
+        paged_attention(q, kv, kv, meta, 0, FULL, 1.0)
 
 
 def test_metadata_validates_inputs():

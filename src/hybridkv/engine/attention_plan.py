@@ -34,7 +34,7 @@ import torch
 from hybridkv.engine.host import long_tensor
 from hybridkv.errors import InvariantViolation
 
-__all__ = ["Bucket", "Layout", "build_layout", "visible_keys", "PAD_SLACK"]
+__all__ = ["Bucket", "Layout", "build_layout", "first_key", "visible_keys", "PAD_SLACK"]
 
 #: a multi-query bucket grows while its padded work stays below this multiple of the real work
 PAD_SLACK = 1.5
@@ -52,7 +52,8 @@ def visible_keys(kind: str, size: int | None, q_pos: torch.Tensor, k_pos: torch.
     return allowed
 
 
-def _first_key(kind: str, size: int | None, p: int) -> int:
+def first_key(kind: str, size: int | None, p: int) -> int:
+    """Smallest key position a query at position ``p`` may see (full 0, sliding ``p - W + 1``, chunked its chunk's start)."""
     if kind == "sliding":
         return max(0, p - size + 1)
     if kind == "chunked":
@@ -194,7 +195,7 @@ def build_layout(
     rows = seqs if seqs is not None else range(len(starts))
     for s, a0, n0 in zip(rows, starts, q_lens):
         for a, b in _pieces(kind, size, a0, a0 + n0) if n0 > 1 else [(a0, a0 + 1)]:
-            seg = _Segment(s, tok + a - a0, a, b - a, _first_key(kind, size, a))
+            seg = _Segment(s, tok + a - a0, a, b - a, first_key(kind, size, a))
             (single if seg.n == 1 else multi).append(seg)
         tok += n0
     buckets = []

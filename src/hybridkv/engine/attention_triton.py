@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridkv.engine.attention_plan import first_key
 from hybridkv.engine.cascade import cascade_prefix_len
 from hybridkv.engine.host import long_tensor
 from hybridkv.engine.kernels.kv_write import write_kv
@@ -32,6 +33,7 @@ from hybridkv.engine.kernels.paged_attention import (
     query_blocks,
     tile_n,
 )
+from hybridkv.errors import InvariantViolation
 
 __all__ = ["triton_paged_attention"]
 
@@ -48,6 +50,10 @@ def triton_paged_attention(query, key, value, meta, layer: int, attn, scale: flo
     storage = meta.storage
     group = storage.group_of(layer)
     cache = storage.kv_cache(layer)  # [2, Hkv, num_blocks, block_size, D]
+    if storage.debug:  # debug_checks: the reference's checks (they read the slots back)
+        storage.check_slots(layer, meta.slot_mappings[group])
+        if meta.block_ids is not None:
+            meta.memo(("triton_reads_checked", group, attn), lambda: _check_reads(meta, group, attn))
     write_kv(key, value, cache[0], cache[1], meta.slot_mappings[group])
     table = meta.block_tables[group]  # [S, W]
     rep = query.shape[1] // cache.shape[1]
@@ -67,6 +73,20 @@ def triton_paged_attention(query, key, value, meta, layer: int, attn, scale: flo
     plan = meta.memo(("triton_plan", rep, keep is not None), lambda: _plan(meta, rep, keep is not None))
     return paged_attention_fwd(query, cache[0], cache[1], table, meta.seq_len, attn.kind, attn.size, scale,
                                plan=plan, sinks=sinks, softcap=softcap)
+
+
+def _check_reads(meta, group: int, attn) -> bool:
+    """Refuse (InvariantViolation) a key a query needs that its table maps to the null block."""
+    bs = meta.storage.block_size
+    for s, (a, n) in enumerate(zip(meta.starts, meta.query_lens)):
+        table = meta.block_ids[s][group]
+        for b in range(first_key(attn.kind, attn.size, a) // bs, (a + n - 1) // bs + 1):
+            if table[b] == 0:
+                raise InvariantViolation(
+                    f"group {group} ({attn.kind}): sequence {s} needs key positions in block {b}, "
+                    "which its block table maps to the null block"
+                )
+    return True
 
 
 def _cascade_prefix(meta, group: int, attn, num_heads: int, cache: torch.Tensor) -> int:

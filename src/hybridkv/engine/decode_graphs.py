@@ -70,10 +70,12 @@ class DecodeGraphs:
         # [ids B | positions B | seq_lens B | slots G*B], int64, one copy per step
         self._host = torch.empty((3 + g) * b, dtype=torch.long, pin_memory=pin)
         self._dev = torch.zeros((3 + g) * b, dtype=torch.long, device=device)
-        # a step's tables [G, n, widest] go contiguous through one pinned and one device staging buffer
-        self._host_tables = torch.zeros(g * b * w, dtype=torch.long, pin_memory=pin)
-        self._staged_tables = torch.zeros(g * b * w, dtype=torch.long, device=device)
-        self.tables = torch.zeros(g, b, w, dtype=torch.long, device=device)  # [G, B, W]
+        # a step's tables [G, n, widest] go contiguous through a pinned and a device staging buffer
+        # (grown on demand); the tables the graphs read are int32, as vLLM's: [G, B, W]
+        self._pin = pin
+        self._host_tables = torch.zeros(0, dtype=torch.int32, pin_memory=pin)
+        self._staged_tables = torch.zeros(0, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(g, b, w, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.seq_lens = self._dev[:b], self._dev[b : 2 * b], self._dev[2 * b : 3 * b]
         self.slots = self._dev[3 * b :].view(g, b)  # [G, B]
         self.max_model_len = max_model_len
@@ -121,6 +123,10 @@ class DecodeGraphs:
             slots.extend([-1] * pad)
         host[3 * b :].view(self.num_groups, b)[:, :size] = long_tensor(slots).view(self.num_groups, size)
         count = len(flat)
+        if count > self._host_tables.numel():  # the last step's copies are done (its ids were read)
+            size_up = max(count, 2 * self._host_tables.numel())
+            self._host_tables = torch.zeros(size_up, dtype=torch.int32, pin_memory=self._pin)
+            self._staged_tables = torch.zeros(size_up, dtype=torch.int32, device=self.device)
         self._host_tables[:count] = long_tensor(flat)
         nb = self.device.type == "cuda"
         self._dev.copy_(host, non_blocking=nb)

@@ -246,21 +246,27 @@ class PagedKVStorage:
             raise InvalidArgumentError(
                 f"slot_mapping must be [T={key.shape[0]}], got {tuple(slot_mapping.shape)}"
             )
-        if self.debug and slot_mapping.numel():
-            lo = int(slot_mapping.min())
-            hi = int(slot_mapping.max())
-            if lo < self.block_size:
-                raise InvariantViolation(f"write to the null block (slot {lo}) in layer {layer}")
-            if hi >= self.num_blocks * self.block_size:
-                raise InvariantViolation(
-                    f"slot {hi} beyond the pool ({self.num_blocks} blocks of {self.block_size}) in layer {layer}"
-                )
+        if self.debug:
+            self.check_slots(layer, slot_mapping)
         kv = self._by_slot[self._locate(layer)[1]]  # [2H, num_slots, D]
         h = self.num_kv_heads
         if key.dtype != self.dtype:
             key, value = key.to(self.dtype), value.to(self.dtype)
         kv[:h].index_copy_(1, slot_mapping, key.transpose(0, 1))  # [H, T, D] source
         kv[h:].index_copy_(1, slot_mapping, value.transpose(0, 1))
+
+    def check_slots(self, layer: int, slot_mapping: torch.Tensor) -> None:
+        """Refuse (InvariantViolation) a write to the null block or past the pool (reads the slots back)."""
+        if not slot_mapping.numel():
+            return
+        lo = int(slot_mapping.min())
+        hi = int(slot_mapping.max())
+        if lo < self.block_size:
+            raise InvariantViolation(f"write to the null block (slot {lo}) in layer {layer}")
+        if hi >= self.num_blocks * self.block_size:
+            raise InvariantViolation(
+                f"slot {hi} beyond the pool ({self.num_blocks} blocks of {self.block_size}) in layer {layer}"
+            )
 
     def fill_blocks(self, block_ids: Sequence[int], value: float) -> None:
         """Overwrite whole blocks in every tensor (tests poison freed blocks with NaN)."""

@@ -24,7 +24,7 @@ def _write_kv_kernel(
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    slot = tl.load(slot_ptr + t)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
     d = tl.arange(0, HEAD_PAD)
     ok = (d < HEAD) & ((d * 0 + slot) >= 0)  # a block mask (the interpreter refuses a scalar one)
     blk = slot // PAGE

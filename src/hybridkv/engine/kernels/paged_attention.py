@@ -130,7 +130,7 @@ def _attention_kernel(
     for t in range(t_begin, t_end):
         j = t * BLOCK_N + n  # key positions [BLOCK_N]
         j_ok = (j >= lo) & (j < hi)
-        blk = tl.load(table_ptr + seq * stride_ts + j // PAGE, mask=j_ok, other=0)
+        blk = tl.load(table_ptr + seq * stride_ts + j // PAGE, mask=j_ok, other=0).to(tl.int64)  # int32 tables too
         off = j % PAGE
         kv_mask = j_ok[:, None] & d_ok[None, :]
         k = tl.load(
