@@ -118,6 +118,8 @@ CASES = [
     ("device cpu:1", ["serve", "{M}", "--device", "cpu:1"], "expected cpu, cuda or cuda:N, got 'cpu:1'"),
     ("attention backend", ["generate", "{M}", "--prompt-ids", "1", "--attention-backend", "flash"],
      "argument --attention-backend: invalid choice: 'flash'"),
+    ("quantization int3", ["generate", "{M}", "--prompt-ids", "1", "--quantization", "int3"],
+     "argument --quantization: invalid choice: 'int3'"),
     ("trace prompt_len 1e11", ["simulate", "mistral-7b", "--workload", "{T}/huge-prompt.jsonl"],
      "huge-prompt.jsonl:1: a prompt of 100,000,000,000 tokens exceeds max_model_len 131,072"),
     ("trace arrival 1e12", ["simulate", "mistral-7b", "--workload", "{T}/late.jsonl"], "past the last step simulated"),

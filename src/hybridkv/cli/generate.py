@@ -164,6 +164,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, max_num_seqs_default: str)
     p.add_argument("--attention-backend", choices=("auto", "reference", "triton"), default="auto",
                    help="paged attention: triton kernels (CUDA), the reference (torch ops), or auto: triton on "
                         "CUDA when triton imports, else the reference (default auto)")
+    p.add_argument("--quantization", choices=("int8", "int4"), default=None,
+                   help="weight-only quantization on a CPU: int8 per output channel, int4 in groups of 32-128 "
+                        "(embeddings and output projection included; default: the exact weights)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: decode steps run eagerly (default: graphs on CUDA with triton)")
 
@@ -181,6 +184,7 @@ def engine_config(args: argparse.Namespace, max_num_seqs: int):
     resolve_backend(args.attention_backend, device.type)  # refused before the model loads
     return EngineConfig(
         device=args.device, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs or max_num_seqs, dtype=args.dtype,

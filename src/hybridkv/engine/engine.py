@@ -53,7 +53,7 @@ from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation, torch_d
 from hybridkv.engine.layout import EngineLayout
 from hybridkv.engine.kv_summary import KVSummary, UsageTracker, kv_bytes_per_request, state_bytes_per_request
 from hybridkv.engine.model_runner import PagedModelRunner
-from hybridkv.engine.models import load_model
+from hybridkv.engine.models import check_quantization, load_model
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.state_runner import StateRunner
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, UnknownRequestError
@@ -93,6 +93,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     #: True: no CUDA graphs (decode steps run eagerly)
     enforce_eager: bool = False
+    #: weight-only quantization on a CPU: None (the exact weights), "int8" or "int4"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.kv_cache_memory is not None:
@@ -169,7 +171,16 @@ class LLMEngine:
         self.config = config
         #: the attention backend in use ("reference" or "triton"), resolved from config.attention_backend
         self.attention_backend = resolve_backend(config.attention_backend, torch.device(config.device).type)
-        self.model = model if isinstance(model, CausalLM) else load_model(model, dtype=config.dtype, device=config.device)
+        check_quantization(config.quantization, config.device)  # before the model loads
+        if isinstance(model, CausalLM):
+            if config.quantization is not None and model.quantization != config.quantization:
+                raise InvalidConfigError(
+                    f"the model's weights are {model.quantization or 'not quantized'}; "
+                    f"the config asks {config.quantization} (load it with load_model(..., quantization=...))"
+                )
+            self.model = model
+        else:
+            self.model = load_model(model, dtype=config.dtype, device=config.device, quantization=config.quantization)
         m = self.model
         if config.max_model_len is not None and config.max_model_len > m.max_position_embeddings:
             # as vLLM: positions past the model's own limit are not what it was made for

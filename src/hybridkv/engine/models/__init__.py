@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+
 from hybridkv.checkpoint.config import as_model_source, read_model_config
 from hybridkv.checkpoint.installed import ModelSource
 from hybridkv.engine.models.base import CausalLM
@@ -25,7 +27,7 @@ from hybridkv.engine.models.mistral import MistralForCausalLM
 from hybridkv.engine.models.qwen2 import Qwen2ForCausalLM
 from hybridkv.engine.models.qwen3 import Qwen3ForCausalLM
 from hybridkv.engine.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
-from hybridkv.errors import UnknownArchitectureError
+from hybridkv.errors import InvalidConfigError, UnknownArchitectureError
 
 __all__ = [
     "CausalLM",
@@ -81,10 +83,29 @@ def model_class_for(config: Mapping[str, Any]) -> type[CausalLM]:
 
 
 def load_model(
-    source: str | Path | ModelSource, dtype: str = "float32", device: str = "cpu", prepack: bool = True
+    source: str | Path | ModelSource, dtype: str = "float32", device: str = "cpu", prepack: bool = True,
+    quantization: str | None = None,
 ) -> CausalLM:
     """Build the model of ``source`` (a directory, a .gguf file, a name) and load its weights
-    (``prepack``: CausalLM.prepack_weights)."""
+    (``prepack``: CausalLM.prepack_weights; ``quantization``: CausalLM.quantize_weights, "int8" / "int4")."""
     source = as_model_source(source)
     config = read_model_config(source)
-    return model_class_for(config).from_config(config, source, dtype=dtype, device=device, prepack=prepack)
+    cls = model_class_for(config)
+    if quantization is None:
+        return cls.from_config(config, source, dtype=dtype, device=device, prepack=prepack)
+    check_quantization(quantization, device)
+    model = cls.from_config(config, source, dtype=dtype, device=device, prepack=False)
+    model.quantize_weights(quantization)
+    return model
+
+
+def check_quantization(quantization: str | None, device: str) -> None:
+    """Refuse (InvalidConfigError) a quantization that is unknown or cannot run on ``device``."""
+    from hybridkv.engine.models.quantize import QUANTIZATIONS
+
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise InvalidConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if torch.device(device).type != "cpu":
+        raise InvalidConfigError(f"weight-only quantization runs on a CPU (torch's kernels), not {device}")

@@ -213,6 +213,9 @@ class CausalLM(nn.Module):
         self.rotaries: dict[str, RotaryEmbedding] = {}
         #: where the weights came from (set by :meth:`from_config`; None for a model built bare)
         self.source: ModelSource | None = None
+        #: weight-only quantization in force (:meth:`quantize_weights`): None, "int8" or "int4"
+        self.quantization: str | None = None
+        self.embed_quant = None  # the quantized embedding rows, once quantized
         self.model: nn.Module
         self.lm_head: nn.Linear
 
@@ -303,10 +306,57 @@ class CausalLM(nn.Module):
             if module is not self and callable(getattr(module, "prepack", None)):
                 module.prepack(enable)
 
+    def quantize_weights(self, mode: str) -> None:
+        """Weight-only quantization of every matrix the forward multiplies by and of the
+        embedding (see :mod:`~hybridkv.engine.models.quantize`); the full-precision copies are
+        freed. int4 groups: the largest of 128, 64, 32 dividing every input size (else an
+        InvalidConfigError before anything changes). MoE experts and routers stay as loaded.
+        CPU only (torch's kernels)."""
+        from hybridkv.engine.models.quantize import QUANTIZATIONS, int4_group_size, quantize_weight
+
+        if mode not in QUANTIZATIONS:
+            raise InvalidConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {mode!r}")
+        if self.quantization is not None:
+            raise InvalidConfigError(f"the weights are already quantized ({self.quantization})")
+        embed = self.model.embed_tokens.weight
+        if embed.device.type != "cpu":
+            raise InvalidConfigError(f"weight-only quantization runs on a CPU (torch's kernels), not {embed.device}")
+        tied = self.tie_word_embeddings and self.lm_head.weight is embed
+        targets = [
+            (m, attr, w) for m in self.modules() if m is not self and callable(getattr(m, "quant_targets", None))
+            for attr, w in m.quant_targets() if not (tied and m is self.lm_head)
+        ]
+        group = int4_group_size([w.shape[1] for *_, w in targets] + [embed.shape[1]]) if mode == "int4" else 0
+        dtype = embed.dtype
+        for m, attr, w in targets:
+            setattr(m, attr, quantize_weight(w, mode, dtype, group))
+        self.embed_quant = quantize_weight(embed, mode, dtype, group, lookup=True, matmul=tied)
+        if tied:
+            self.lm_head.packed = self.embed_quant
+        self._free_quantized_weights()
+        self.quantization = mode
+
+    def _free_quantized_weights(self) -> None:
+        """Drop the full-precision matrices now held quantized (empty tensors keep dtype and device)."""
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, Linear):
+                    m.weight.data = m.weight.data.new_empty(0)
+                for name in ("qkv_weight", "gate_up_weight"):
+                    if isinstance(getattr(m, name, None), torch.Tensor):
+                        setattr(m, name, getattr(m, name).new_empty(0))
+            self.model.embed_tokens.weight.data = self.model.embed_tokens.weight.data.new_empty(0)
+
     # ---------------------------------------------------------------- running
+    def lookup_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]: the embedding rows (dequantized when quantized)."""
+        if self.embed_quant is not None:
+            return self.embed_quant.rows(input_ids)
+        return self.model.embed_tokens(input_ids)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden]."""
-        return self.model.embed_tokens(input_ids)
+        return self.lookup_embeddings(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids / positions [T] -> final-norm hidden states [T, hidden].

@@ -122,7 +122,7 @@ class Gemma3ForCausalLM(CausalLM):
         if scale is None:  # made once: a host-to-device copy per step would break CUDA graph capture
             scale = torch.tensor(self.hidden_size**0.5, dtype=weight.dtype, device=weight.device)
             self._embed_scales[(weight.dtype, weight.device)] = scale
-        return self.model.embed_tokens(input_ids) * scale
+        return self.lookup_embeddings(input_ids) * scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -102,6 +102,7 @@ class PackedWeight:
     """
 
     __slots__ = ("transposed", "packed", "_weight", "_ptr", "_version")
+    quantized = False  # a quantized weight (:mod:`~hybridkv.engine.models.quantize`) says True
 
     def __init__(self, weight: torch.Tensor, onednn: bool = True) -> None:
         with torch.no_grad():
@@ -134,10 +135,11 @@ class PackedWeight:
         return weight is self._weight and weight._version == self._version and weight.data_ptr() == self._ptr
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
-) -> torch.Tensor:
-    """``x @ weight.T + bias`` [.., out], on a packed copy when it is current (see :class:`PackedWeight`)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
+    """``x @ weight.T + bias`` [.., out], on a packed copy when it is current (see :class:`PackedWeight`),
+    or on ``packed`` itself when it is a quantized weight (:mod:`~hybridkv.engine.models.quantize`)."""
+    if packed is not None and packed.quantized:
+        return packed.linear(x, bias)
     if packed is not None and x.dtype == torch.float32 and packed.valid_for(weight):
         if x.dim() == 2 and (packed.packed is None or (x.shape[0] <= SMALL_ROWS and decode_kernel() == "transposed")):
             wt = packed.transposed
@@ -152,10 +154,15 @@ class Linear(nn.Linear):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.packed: PackedWeight | None = None
+        self.packed = None  # PackedWeight, a quantized weight, or None
+        self.fused = False  # its weight lives in a fused matrix that another module runs
 
     def prepack(self, enable: bool = True) -> None:
-        self.packed = PackedWeight.make(self.weight) if enable else None
+        self.packed = PackedWeight.make(self.weight) if enable and not self.fused else None
+
+    def quant_targets(self) -> list[tuple[str, torch.Tensor]]:
+        """``(attribute, weight)``: where a quantized copy of which weight goes (none once fused)."""
+        return [] if self.fused else [("packed", self.weight)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
@@ -168,6 +175,8 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
     their names and values and no second copy of the weights stays alive.
     """
     weight = torch.cat([m.weight.detach() for m in linears])  # [sum out, in]
+    for m in linears:
+        m.fused = True
     bias = None
     if any(m.bias is not None for m in linears):  # a linear without bias adds zeros
         bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])

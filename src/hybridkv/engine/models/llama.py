@@ -44,6 +44,9 @@ class GatedMLP(nn.Module):
     def prepack(self, enable: bool = True) -> None:
         self.gate_up_packed = PackedWeight.make(self.gate_up_weight) if enable else None
 
+    def quant_targets(self) -> list[tuple[str, torch.Tensor]]:
+        return [] if self.gate_up_weight is None else [("gate_up_packed", self.gate_up_weight)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -85,6 +88,9 @@ class LlamaAttention(nn.Module):
 
     def prepack(self, enable: bool = True) -> None:
         self.qkv_packed = PackedWeight.make(self.qkv_weight) if enable else None
+
+    def quant_targets(self) -> list[tuple[str, torch.Tensor]]:
+        return [] if self.qkv_weight is None else [("qkv_packed", self.qkv_weight)]
 
     def project_heads(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, Hq + 2 Hkv, D]: the q heads, then k, then v (one matmul once fused)."""

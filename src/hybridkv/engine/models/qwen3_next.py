@@ -73,6 +73,9 @@ class GatedAttention(nn.Module):
     def prepack(self, enable: bool = True) -> None:
         self.qkv_packed = PackedWeight.make(self.qkv_weight) if enable else None
 
+    def quant_targets(self) -> list[tuple[str, torch.Tensor]]:
+        return [] if self.qkv_weight is None else [("qkv_packed", self.qkv_weight)]
+
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = self.rotary_dim
         if rd == self.head_dim:

@@ -1,0 +1,151 @@
+"""Weight-only quantization for CPU decode: int8 per output channel, int4 group-wise.
+
+A decode step on a CPU reads every weight once, so its speed is the weights' bytes.
+Quantized weights run through torch's own CPU kernels (as gpt-fast and torchao use them):
+
+* ``int8``: ``w ~ q * s`` with ``q`` in [-127, 127] and one scale per output row
+  (``s = max|w_row| / 127``); ``torch.ops.aten._weight_int8pack_mm``;
+* ``int4``: per group of ``G`` input columns, ``w ~ q * s + min`` with ``q`` in [0, 15],
+  ``s = (max - min) / 15``; stored as the kernel wants, ``(q - 8) * s + zero`` with
+  ``zero = min + 8 s`` (``_convert_weight_to_int4pack_for_cpu``,
+  ``_weight_int4pack_mm_for_cpu``). ``G`` is the largest of 128, 64, 32 that divides
+  every quantized matrix's input size (:func:`int4_group_size`).
+
+Embeddings are quantized the same way and looked up row by row (:meth:`rows`); a tied
+output projection shares the int8 rows, or (int4) gets the kernel's packed copy beside
+the nibble-packed rows. Activations stay in the model dtype (fp32 or bf16), as does the
+KV cache. Worked example (int8): a row ``[0.5, -1.27, 0.01]`` -> ``s = 0.01``,
+``q = [50, -127, 1]``, dequantized exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from hybridkv.errors import InvalidConfigError
+
+__all__ = ["QUANTIZATIONS", "INT4_GROUP_SIZES", "Int8Weight", "Int4Weight", "quantize_weight", "int4_group_size"]
+
+#: the ``--quantization`` values
+QUANTIZATIONS = ("int8", "int4")
+#: int4 group sizes, preferred first
+INT4_GROUP_SIZES = (128, 64, 32)
+
+
+class Int8Weight:
+    """``[N, K]`` as int8 ``q`` and per-row ``scales`` [N] (in the activation dtype)."""
+
+    quantized = True
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        w = weight.detach().float()  # [N, K]
+        scales = (w.abs().amax(dim=1) / 127.0).clamp_(min=1e-12)  # [N]
+        self.q = torch.round(w / scales.unsqueeze(1)).clamp_(-127, 127).to(torch.int8).contiguous()
+        self.scales = scales.to(dtype)
+        self.shape = tuple(weight.shape)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [.., K] -> [.., N]."""
+        x2 = x.reshape(-1, x.shape[-1])
+        out = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales)  # [M, N]
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows ``ids`` [T] -> [T, K] (an embedding lookup)."""
+        return self.q.index_select(0, ids).to(self.scales.dtype) * self.scales.index_select(0, ids).unsqueeze(1)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scales.float().unsqueeze(1)  # [N, K] fp32
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * self.scales.element_size()
+
+
+class Int4Weight:
+    """``[N, K]`` in groups of ``group`` columns: 4-bit codes, a scale and a zero per group.
+
+    ``packed``: the matmul kernel's layout, rows padded to a multiple of 16 (None for a
+    lookup-only embedding); ``nibbles``
+    [N, K/2] uint8 (codes of columns 2j, 2j+1 in the low, high nibble; None for a
+    matmul-only weight); ``scales_zeros`` [K/G, N, 2] in the activation dtype.
+    """
+
+    quantized = True
+
+    def __init__(self, weight: torch.Tensor, group: int, dtype: torch.dtype, matmul: bool = True,
+                 lookup: bool = False) -> None:
+        n, k = weight.shape
+        if k % group:
+            raise InvalidConfigError(f"int4 groups of {group} do not divide a {n} x {k} weight's {k} columns")
+        w = weight.detach().float().view(n, k // group, group)
+        lo, hi = w.amin(dim=2), w.amax(dim=2)  # [N, K/G]
+        scales = ((hi - lo) / 15.0).clamp_(min=1e-12)
+        codes = torch.round((w - lo.unsqueeze(2)) / scales.unsqueeze(2)).clamp_(0, 15).to(torch.int32).view(n, k)
+        self.group = group
+        self.shape = (n, k)
+        self.scales_zeros = torch.stack([scales.t(), (lo + 8.0 * scales).t()], dim=2).to(dtype).contiguous()
+        self.nibbles = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8) if lookup else None
+        self.packed = None
+        if matmul:  # the kernel packs 16 rows at a time: pad with rows of code 8 (zero weight)
+            pad = -n % 16
+            if pad:
+                codes = torch.cat([codes, codes.new_full((pad, k), 8)])
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+            sz = self.scales_zeros
+            self._mm_scales_zeros = torch.cat([sz, sz.new_zeros(k // group, pad, 2)], dim=1) if pad else sz
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        dtype = self.scales_zeros.dtype
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(dtype), self.packed, self.group, self._mm_scales_zeros)
+        out = out[:, : self.shape[0]].to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows ``ids`` [T] -> [T, K] (an embedding lookup)."""
+        nib = self.nibbles.index_select(0, ids)  # [T, K/2]
+        codes = torch.stack([nib & 15, nib >> 4], dim=2).view(len(ids), -1)  # [T, K]
+        sz = self.scales_zeros.index_select(1, ids)  # [K/G, T, 2]
+        scale = sz[..., 0].t().repeat_interleave(self.group, dim=1)  # [T, K]
+        zero = sz[..., 1].t().repeat_interleave(self.group, dim=1)
+        return (codes.to(sz.dtype) - 8) * scale + zero
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.shape
+        eye = torch.eye(k, dtype=self.scales_zeros.dtype)
+        return self.linear(eye, None).t().float().contiguous()  # [N, K]: the kernel's own view of the weight
+
+    @property
+    def nbytes(self) -> int:
+        total = self.scales_zeros.numel() * self.scales_zeros.element_size()
+        total += 0 if self.packed is None else self.packed.numel()
+        return total + (0 if self.nibbles is None else self.nibbles.numel())
+
+
+def int4_group_size(in_features: Iterable[int]) -> int:
+    """The largest of :data:`INT4_GROUP_SIZES` that divides every input size; InvalidConfigError if none."""
+    sizes = sorted(set(in_features))
+    for g in INT4_GROUP_SIZES:
+        if all(k % g == 0 for k in sizes):
+            return g
+    raise InvalidConfigError(
+        f"int4 quantization needs every weight's input size to be a multiple of 32; this model has "
+        f"{', '.join(str(k) for k in sizes if k % 32)}: use --quantization int8"
+    )
+
+
+def quantize_weight(weight: torch.Tensor, mode: str, dtype: torch.dtype, group: int = 128, lookup: bool = False,
+                    matmul: bool = True) -> Int8Weight | Int4Weight:
+    """``weight`` [N, K] quantized as ``mode`` (``"int8"`` / ``"int4"``), scales in ``dtype``."""
+    if mode == "int8":
+        return Int8Weight(weight, dtype)
+    if mode == "int4":
+        return Int4Weight(weight, group, dtype, matmul=matmul, lookup=lookup)
+    raise InvalidConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {mode!r}")
