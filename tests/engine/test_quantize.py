@@ -40,14 +40,27 @@ def test_int8_linear_equals_its_dequantized_weight(n, k, seed):
 def test_int4_linear_equals_its_dequantized_weight(n, group, groups, seed):
     k = group * groups
     w, x = _weights(n, k, seed)
-    q = Int4Weight(w, group, torch.float32, lookup=True)
+    q = Int4Weight(w, group, torch.float32)
     deq = q.dequantize()  # what the kernel multiplies by
     wg = w.view(n, groups, group)
     step = (wg.amax(2) - wg.amin(2)).repeat_interleave(group, 1) / 15
     assert ((w - deq).abs() <= step / 2 + 1e-5).all()
     torch.testing.assert_close(q.linear(x, None), x @ deq.t(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(q.dense(), deq, atol=1e-5, rtol=1e-5)
     ids = torch.tensor([n - 1, 0])
     torch.testing.assert_close(q.rows(ids), deq[ids], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cls", ["int8", "int4"])
+def test_large_inputs_run_on_the_dense_weight(cls):
+    """Past KERNEL_ROWS rows (a prefill chunk) the dequantized weight and a dense GEMM: same values."""
+    from hybridkv.engine.models.quantize import KERNEL_ROWS
+
+    w, _ = _weights(48, 64, 7)
+    q = quantize_weight(w, cls, torch.float32, group=32)
+    x = torch.randn(KERNEL_ROWS + 9, 64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(q.linear(x, None), x @ q.dequantize().t(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(q.linear(x[:3], None), x[:3] @ q.dequantize().t(), atol=1e-4, rtol=1e-4)
 
 
 def test_bf16_activations():
@@ -75,7 +88,8 @@ def test_quantized_model_equals_the_exact_path_on_dequantized_weights(arch, mode
     replaced by its dequantized values (logits within 1e-4 relative); the full-precision copies
     are freed and a tied output projection shares the embedding's codes."""
     path, _ = tiny_models(arch)
-    quant = load_model(path, quantization=mode)
+    quant = load_model(path)
+    quant.quantize_weights(mode, compute_dtype=torch.float32)  # exact arithmetic: compare with fp32
     assert quant.quantization == mode and quant.model.embed_tokens.weight.numel() == 0
     assert all(p.numel() == 0 for n, p in quant.named_parameters() if n.endswith("proj.weight"))
     if quant.tie_word_embeddings:
@@ -101,6 +115,12 @@ def test_quantized_model_equals_the_exact_path_on_dequantized_weights(arch, mode
     assert rel < 1e-4, rel
     with pytest.raises(InvalidConfigError, match="already quantized"):
         quant.quantize_weights("int8")
+    fast = load_model(path, quantization=mode)  # the default: kernels fed bf16 inputs
+    assert fast.embed_quant.rows(torch.tensor([1])).dtype == torch.bfloat16
+    engine = LLMEngine(fast, EngineConfig(block_size=4, num_blocks=64, max_model_len=64, quantization=mode))
+    engine.add_request(prompt)
+    engine.step()
+    assert engine.last_logits["req-0"].dtype == torch.float32 and torch.isfinite(engine.last_logits["req-0"]).all()
 
 
 def _module_named(quant, fake, module):

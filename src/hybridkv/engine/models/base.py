@@ -306,12 +306,13 @@ class CausalLM(nn.Module):
             if module is not self and callable(getattr(module, "prepack", None)):
                 module.prepack(enable)
 
-    def quantize_weights(self, mode: str) -> None:
+    def quantize_weights(self, mode: str, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         """Weight-only quantization of every matrix the forward multiplies by and of the
         embedding (see :mod:`~hybridkv.engine.models.quantize`); the full-precision copies are
         freed. int4 groups: the largest of 128, 64, 32 dividing every input size (else an
         InvalidConfigError before anything changes). MoE experts and routers stay as loaded.
-        CPU only (torch's kernels)."""
+        CPU only (torch's kernels); the matmuls take their inputs in ``compute_dtype`` (bf16: see
+        :mod:`~hybridkv.engine.models.quantize` for why), embedding rows come out in the model dtype."""
         from hybridkv.engine.models.quantize import QUANTIZATIONS, int4_group_size, quantize_weight
 
         if mode not in QUANTIZATIONS:
@@ -327,10 +328,10 @@ class CausalLM(nn.Module):
             for attr, w in m.quant_targets() if not (tied and m is self.lm_head)
         ]
         group = int4_group_size([w.shape[1] for *_, w in targets] + [embed.shape[1]]) if mode == "int4" else 0
-        dtype = embed.dtype
         for m, attr, w in targets:
-            setattr(m, attr, quantize_weight(w, mode, dtype, group))
-        self.embed_quant = quantize_weight(embed, mode, dtype, group, lookup=True, matmul=tied)
+            setattr(m, attr, quantize_weight(w, mode, compute_dtype, group))
+        self.embed_quant = quantize_weight(embed, mode, compute_dtype, group, matmul=tied)
+        self._embed_dtype = embed.dtype
         if tied:
             self.lm_head.packed = self.embed_quant
         self._free_quantized_weights()
@@ -351,7 +352,7 @@ class CausalLM(nn.Module):
     def lookup_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden]: the embedding rows (dequantized when quantized)."""
         if self.embed_quant is not None:
-            return self.embed_quant.rows(input_ids)
+            return self.embed_quant.rows(input_ids).to(self._embed_dtype)
         return self.model.embed_tokens(input_ids)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
