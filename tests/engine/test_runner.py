@@ -135,3 +135,19 @@ def test_pinned_stager_regions_never_alias_within_a_step():
             sent.append((values, stager.long_tensor(values)))
         for values, tensor in sent:
             assert tensor.tolist() == values and tensor.dtype == torch.long
+
+
+def test_threads_fit_the_cores_the_process_may_use():
+    import os
+
+    from hybridkv.engine.host import fit_threads_to_affinity
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(64)
+        allowed = len(os.sched_getaffinity(0))
+        assert fit_threads_to_affinity() == min(64, allowed)
+        torch.set_num_threads(1)
+        assert fit_threads_to_affinity() == 1  # never raised
+    finally:
+        torch.set_num_threads(before)

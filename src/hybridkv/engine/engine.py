@@ -48,6 +48,7 @@ from hybridkv.checkpoint import ModelSource
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheManagerConfig
 from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.engine.decode_graphs import DecodeGraphs
+from hybridkv.engine.host import fit_threads_to_affinity
 from hybridkv.engine.kernels import BACKENDS, resolve_backend
 from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation, torch_dtype
 from hybridkv.engine.layout import EngineLayout
@@ -172,6 +173,8 @@ class LLMEngine:
         #: the attention backend in use ("reference" or "triton"), resolved from config.attention_backend
         self.attention_backend = resolve_backend(config.attention_backend, torch.device(config.device).type)
         check_quantization(config.quantization, config.device)  # before the model loads
+        if torch.device(config.device).type == "cpu":
+            fit_threads_to_affinity()
         if isinstance(model, CausalLM):
             if config.quantization is not None and model.quantization != config.quantization:
                 raise InvalidConfigError(

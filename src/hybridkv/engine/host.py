@@ -8,12 +8,13 @@ groups, are thousands of ints, so this is most of a decode step's host-side time
 
 from __future__ import annotations
 
+import os
 from array import array
 from typing import Iterable
 
 import torch
 
-__all__ = ["long_tensor", "PinnedStager"]
+__all__ = ["long_tensor", "PinnedStager", "fit_threads_to_affinity"]
 
 
 def long_tensor(values: Iterable[int], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -63,3 +64,19 @@ class PinnedStager:
         if not self._pin:
             return region.clone()  # a CPU "device": the region itself would be overwritten after a reset
         return region.to(self.device, non_blocking=True)
+
+
+def fit_threads_to_affinity() -> int:
+    """Lower torch's CPU threads to the cores this process may run on (``sched_getaffinity``),
+    never raise them (a smaller setting is the user's); returns the count in force.
+
+    torch counts the machine's cores; a process pinned to fewer (taskset, a container's
+    cpuset) would otherwise run more threads than cores, and its matmuls wait at every barrier.
+    """
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return torch.get_num_threads()
+    if 0 < allowed < torch.get_num_threads():
+        torch.set_num_threads(allowed)
+    return torch.get_num_threads()
