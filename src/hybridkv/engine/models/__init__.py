@@ -90,13 +90,9 @@ def load_model(
     (``prepack``: CausalLM.prepack_weights; ``quantization``: CausalLM.quantize_weights, "int8" / "int4")."""
     source = as_model_source(source)
     config = read_model_config(source)
-    cls = model_class_for(config)
-    if quantization is None:
-        return cls.from_config(config, source, dtype=dtype, device=device, prepack=prepack)
     check_quantization(quantization, device)
-    model = cls.from_config(config, source, dtype=dtype, device=device, prepack=False)
-    model.quantize_weights(quantization)
-    return model
+    return model_class_for(config).from_config(config, source, dtype=dtype, device=device, prepack=prepack,
+                                               quantization=quantization)
 
 
 def check_quantization(quantization: str | None, device: str) -> None:

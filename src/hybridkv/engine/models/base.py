@@ -32,7 +32,12 @@ from hybridkv.engine.attention import AttentionMetadata, AttentionType
 from hybridkv.engine.kv_storage import torch_dtype
 from hybridkv.engine.models.linear import Linear, PackedWeight
 from hybridkv.engine.models.rope import RotaryEmbedding
-from hybridkv.engine.models.weights import checkpoint_tensors, eos_token_ids, language_model_weight_name, load_weights
+from hybridkv.engine.models.weights import (
+    checkpoint_tensors,
+    eos_token_ids,
+    language_model_weight_name,
+    load_weights,
+)
 from hybridkv.errors import InvalidConfigError
 from hybridkv.planner.architectures import ModelLayers, family_named, language_model_config, model_layers
 from hybridkv.planner.hf_defaults import DEFAULT_MAX_POSITION_EMBEDDINGS
@@ -216,6 +221,7 @@ class CausalLM(nn.Module):
         #: weight-only quantization in force (:meth:`quantize_weights`): None, "int8" or "int4"
         self.quantization: str | None = None
         self.embed_quant = None  # the quantized embedding rows, once quantized
+        self.embed_dtype: torch.dtype | None = None  # the dtype its rows come out in
         self.model: nn.Module
         self.lm_head: nn.Linear
 
@@ -246,9 +252,12 @@ class CausalLM(nn.Module):
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
         prepack: bool = True,
+        quantization: str | None = None,
     ) -> "CausalLM":
         """Build, load the weights of ``source`` (a model directory, a .gguf file, an installed
-        model's name), fuse q/k/v and gate/up; ``prepack``: see :meth:`prepack_weights`.
+        model's name), fuse q/k/v and gate/up; ``prepack``: see :meth:`prepack_weights`;
+        ``quantization``: :meth:`quantize_weights` (then no prepacking). A GGUF model in another
+        form than fp32 comes from, or goes to, the final-form cache (:mod:`~hybridkv.engine.models.final_cache`).
 
         A multimodal checkpoint (``text_config`` in ``config``) loads its language model only:
         see :func:`~hybridkv.engine.models.weights.language_model_weight_name`.
@@ -271,10 +280,19 @@ class CausalLM(nn.Module):
         if cls.ignored_weights:
             rename = _ignoring(cls.ignored_weights, rename)
         skip = (lambda name: rename(name) is None) if rename is not None else None
-        tensors = checkpoint_tensors(source, config, skip=skip)
-        load_weights(model, tensors, label=str(source.path), tied=tied, rename=rename)
-        model.fuse_weights()
-        model.prepack_weights(prepack)
+        from hybridkv.engine.models import final_cache
+
+        final = final_cache.final_cache_for(source, model.model.embed_tokens.weight.dtype, quantization)
+        if final is None or not final.exists() or not final_cache.load_final(model, final, quantization):
+            tensors = checkpoint_tensors(source, config, skip=skip, use_cache=final is None)
+            load_weights(model, tensors, label=str(source.path), tied=tied, rename=rename)
+            model.fuse_weights()
+            if quantization is not None:
+                model.quantize_weights(quantization)
+            if final is not None:
+                final_cache.save_final(model, final)
+        if quantization is None:
+            model.prepack_weights(prepack)
         model.eos_token_ids = eos
         model.source = source
         return model.eval().requires_grad_(False)
@@ -328,52 +346,18 @@ class CausalLM(nn.Module):
         head.packed = PackedWeight(weight, onednn=False)  # its transposed copy is the storage itself
 
     def quantize_weights(self, mode: str, compute_dtype: torch.dtype = torch.bfloat16) -> None:
-        """Weight-only quantization of every matrix the forward multiplies by and of the
-        embedding (see :mod:`~hybridkv.engine.models.quantize`); the full-precision copies are
-        freed. int4 groups: the largest of 128, 64, 32 dividing every input size (else an
-        InvalidConfigError before anything changes). MoE experts and routers stay as loaded.
-        CPU only (torch's kernels); the matmuls take their inputs in ``compute_dtype`` (bf16: see
-        :mod:`~hybridkv.engine.models.quantize` for why), embedding rows come out in the model dtype."""
-        from hybridkv.engine.models.quantize import QUANTIZATIONS, int4_group_size, quantize_weight
+        """Weight-only quantization (int8 / int4) of every matrix the forward multiplies by and of
+        the embedding; the full-precision copies are freed: see
+        :func:`~hybridkv.engine.models.quantize_model.quantize_model`."""
+        from hybridkv.engine.models.quantize_model import quantize_model
 
-        if mode not in QUANTIZATIONS:
-            raise InvalidConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {mode!r}")
-        if self.quantization is not None:
-            raise InvalidConfigError(f"the weights are already quantized ({self.quantization})")
-        embed = self.model.embed_tokens.weight
-        if embed.device.type != "cpu":
-            raise InvalidConfigError(f"weight-only quantization runs on a CPU (torch's kernels), not {embed.device}")
-        tied = self.tie_word_embeddings and self.lm_head.weight is embed
-        targets = [
-            (m, attr, w) for m in self.modules() if m is not self and callable(getattr(m, "quant_targets", None))
-            for attr, w in m.quant_targets() if not (tied and m is self.lm_head)
-        ]
-        group = int4_group_size([w.shape[1] for *_, w in targets] + [embed.shape[1]]) if mode == "int4" else 0
-        for m, attr, w in targets:
-            setattr(m, attr, quantize_weight(w, mode, compute_dtype, group))
-        self.embed_quant = quantize_weight(embed, mode, compute_dtype, group, matmul=tied)
-        self._embed_dtype = embed.dtype
-        if tied:
-            self.lm_head.packed = self.embed_quant
-        self._free_quantized_weights()
-        self.quantization = mode
-
-    def _free_quantized_weights(self) -> None:
-        """Drop the full-precision matrices now held quantized (empty tensors keep dtype and device)."""
-        with torch.no_grad():
-            for m in self.modules():
-                if isinstance(m, Linear):
-                    m.weight.data = m.weight.data.new_empty(0)
-                for name in ("qkv_weight", "gate_up_weight"):
-                    if isinstance(getattr(m, name, None), torch.Tensor):
-                        setattr(m, name, getattr(m, name).new_empty(0))
-            self.model.embed_tokens.weight.data = self.model.embed_tokens.weight.data.new_empty(0)
+        quantize_model(self, mode, compute_dtype)
 
     # ---------------------------------------------------------------- running
     def lookup_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden]: the embedding rows (dequantized when quantized)."""
         if self.embed_quant is not None:
-            return self.embed_quant.rows(input_ids).to(self._embed_dtype)
+            return self.embed_quant.rows(input_ids).to(self.embed_dtype)
         return self.model.embed_tokens(input_ids)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

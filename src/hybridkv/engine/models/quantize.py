@@ -70,6 +70,19 @@ class Int8Weight:
         """[N, K] in the compute dtype."""
         return self.q.to(self.scales.dtype) * self.scales.unsqueeze(1)
 
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """What :meth:`from_tensors` needs (for the disk cache)."""
+        return {"q": self.q, "scales": self.scales}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], group: int = 0) -> "Int8Weight":
+        self = cls.__new__(cls)
+        self.q, self.scales = tensors["q"], tensors["scales"]
+        if self.q.dtype != torch.int8 or self.q.dim() != 2 or self.scales.shape != (self.q.shape[0],):
+            raise ValueError("not an int8 weight")
+        self.shape = tuple(self.q.shape)
+        return self
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows ``ids`` [T] -> [T, K] (an embedding lookup)."""
         return self.q.index_select(0, ids).to(self.scales.dtype) * self.scales.index_select(0, ids).unsqueeze(1)
@@ -142,6 +155,25 @@ class Int4Weight:
         codes = codes.view(rows, -1, self.group).sub_(8)  # [R, K/G, G]
         out = codes * sz[..., 0].t().unsqueeze(2) + sz[..., 1].t().unsqueeze(2)
         return out.view(rows, -1)
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """What :meth:`from_tensors` needs (for the disk cache)."""
+        out = {"nibbles": self.nibbles, "scales_zeros": self.scales_zeros}
+        if self.packed is not None:
+            out.update(packed=self.packed, mm_scales_zeros=self._mm_scales_zeros)
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], group: int) -> "Int4Weight":
+        self = cls.__new__(cls)
+        self.nibbles, self.scales_zeros = tensors["nibbles"], tensors["scales_zeros"]
+        self.packed = tensors.get("packed")
+        self._mm_scales_zeros = tensors.get("mm_scales_zeros")
+        n, half = self.nibbles.shape
+        if self.nibbles.dtype != torch.uint8 or self.scales_zeros.shape != (2 * half // group, n, 2):
+            raise ValueError("not an int4 weight")
+        self.group, self.shape = group, (n, 2 * half)
+        return self
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] fp32 as the matmul kernel sees the weight (its product with the identity)."""

@@ -18,6 +18,8 @@ their text-model names, the vision tower and projector skipped.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -113,6 +115,20 @@ def language_model_weight_name(name: str) -> str | None:
     return name
 
 
+def progress(items: Iterable, desc: str, total: int | None = None) -> Iterable:
+    """``items`` with a progress bar on stderr when it is a terminal (tqdm), else as they are
+    (piped output stays clean; ``HYBRIDKV_PROGRESS=0`` turns the bar off)."""
+    if os.environ.get("HYBRIDKV_PROGRESS", "1") == "0" or not sys.stderr.isatty():
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    if total is None and hasattr(items, "__len__"):
+        total = len(items)
+    return tqdm(items, desc=desc, total=total, leave=False, file=sys.stderr, dynamic_ncols=True)
+
+
 def _listing(names: Iterable[str]) -> str:
     names = sorted(names)
     shown = ", ".join(names[:_MAX_LISTED])
@@ -140,25 +156,29 @@ def safetensors_tensors(
 
 
 def checkpoint_tensors(
-    source: ModelSource, config: Mapping[str, Any], skip: Callable[[str], bool] | None = None
+    source: ModelSource, config: Mapping[str, Any], skip: Callable[[str], bool] | None = None,
+    use_cache: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensor source of ``source``: its safetensors, or its GGUF file's tensors converted to HF's
-    names and layouts (through the disk cache, see :mod:`~hybridkv.engine.models.tensor_cache`)."""
+    names and layouts (through the fp32 disk cache unless ``use_cache`` is off, see
+    :mod:`~hybridkv.engine.models.tensor_cache`). A progress bar on a terminal."""
     if source.kind == "dir":
-        yield from safetensors_tensors(source.path, skip)
+        yield from progress(safetensors_tensors(source.path, skip), f"loading {source.path.name}")
         return
     from hybridkv.checkpoint.gguf_file import GGUFFile
     from hybridkv.engine.models import gguf_weights, tensor_cache
 
     gguf = GGUFFile.open(source.path)
     gguf_weights.check_quant_types(gguf)  # before the cache is consulted: the file decides
+    plan = [(name, shape) for name, shape, _ in gguf_weights.gguf_weight_plan(gguf)]
+    label = f"loading {source.name or source.path.name}"
     folder = tensor_cache.cache_dir()
-    if folder is None:
-        yield from gguf_weights.gguf_tensors(gguf, config)
+    if folder is None or not use_cache:
+        yield from progress(gguf_weights.gguf_tensors(gguf, config), label, len(plan))
         return
     sha256 = source.sha256 or tensor_cache.file_sha256(source.path, folder)
-    plan = [(name, shape) for name, shape, _ in gguf_weights.gguf_weight_plan(gguf)]
-    yield from tensor_cache.cached_tensors(sha256, plan, lambda: gguf_weights.gguf_tensors(gguf, config), folder)
+    tensors = tensor_cache.cached_tensors(sha256, plan, lambda: gguf_weights.gguf_tensors(gguf, config), folder)
+    yield from progress(tensors, label, len(plan))
 
 
 def load_weights(
