@@ -365,9 +365,11 @@ def summary_line(llm, outputs: list, elapsed: float) -> str:
         if kv.hybrid
         else f"{what}/request at {kv.num_tokens:,} tokens {mine} (all-full, --no-hybrid)"
     )
+    quantization = llm.engine.config.quantization
+    weights = f"weights {quantization}; " if quantization else ""
     return (
         f"{len(outputs)} prompt{'s' if len(outputs) != 1 else ''}: {prompt_tokens:,} prompt + {output_tokens:,} "
-        f"output tokens; TTFT {ttft}; {output_tokens / max(elapsed, 1e-9):.1f} tokens/s; "
+        f"output tokens; TTFT {ttft}; {output_tokens / max(elapsed, 1e-9):.1f} tokens/s; {weights}"
         f"KV blocks peak {blocks} ({format_bytes(kv.peak_bytes)}); prefix hits {kv.prefix_hit_tokens:,} tokens; "
         f"preemptions {kv.num_preemptions}; {layout}"
     )

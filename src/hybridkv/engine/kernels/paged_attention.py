@@ -368,7 +368,7 @@ def paged_attention_fwd(
         NUM_HEADS=num_heads, REP=rep, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD=head,
         HEAD_PAD=head_pad, PAGE=page, KIND=KIND_CODES[kind], DECODE=decode, NUM_SPLITS=num_splits,
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, UPCAST=upcast, IEEE=ieee,
-        OUT_LSE=lse is not None,
+        OUT_LSE=lse is not None, num_warps=8 if head_pad >= 256 and block_m >= 64 else 4,
     )
     if num_splits > 1:
         _merge_splits_kernel[(grid_q, num_heads)](
