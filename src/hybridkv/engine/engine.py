@@ -176,10 +176,15 @@ class LLMEngine:
         if torch.device(config.device).type == "cpu":
             fit_threads_to_affinity()
         if isinstance(model, CausalLM):
-            if config.quantization is not None and model.quantization != config.quantization:
+            if model.quantization != config.quantization:
                 raise InvalidConfigError(
-                    f"the model's weights are {model.quantization or 'not quantized'}; "
-                    f"the config asks {config.quantization} (load it with load_model(..., quantization=...))"
+                    f"the model's weights are {model.quantization or 'not quantized'}; the config asks "
+                    f"{config.quantization or 'none'} (load it with load_model(..., quantization=...))"
+                )
+            if model.weight_dtype != torch_dtype(config.dtype):
+                raise InvalidConfigError(
+                    f"the model is in {model.weight_dtype}, the config's dtype is {config.dtype} "
+                    "(the KV cache and its sizes follow the config: load the model in that dtype)"
                 )
             self.model = model
         else:

@@ -353,6 +353,11 @@ class CausalLM(nn.Module):
 
         quantize_model(self, mode, compute_dtype)
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the model was loaded in and computes in (its embedding's, quantized or not)."""
+        return self.embed_dtype if self.embed_dtype is not None else self.model.embed_tokens.weight.dtype
+
     # ---------------------------------------------------------------- running
     def lookup_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden]: the embedding rows (dequantized when quantized)."""
