@@ -165,7 +165,7 @@ def add_engine_options(p: argparse.ArgumentParser, *, max_num_seqs_default: str)
                    help="paged attention: triton kernels (CUDA), the reference (torch ops), or auto: triton on "
                         "CUDA when triton imports, else the reference (default auto)")
     p.add_argument("--quantization", choices=("int8", "int4"), default=None,
-                   help="weight-only quantization on a CPU: int8 per output channel, int4 in groups of 32-128 "
+                   help="weight-only quantization on a CPU: int8 per output channel, int4 in groups of 32 "
                         "(embeddings and output projection included; default: the exact weights)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: decode steps run eagerly (default: graphs on CUDA with triton)")

@@ -8,8 +8,11 @@ Quantized weights run through torch's own CPU kernels (as gpt-fast and torchao u
 * ``int4``: per group of ``G`` input columns, ``w ~ q * s + min`` with ``q`` in [0, 15],
   ``s = (max - min) / 15``; stored as the kernel wants, ``(q - 8) * s + zero`` with
   ``zero = min + 8 s`` (``_convert_weight_to_int4pack_for_cpu``,
-  ``_weight_int4pack_mm_for_cpu``). ``G`` is the largest of 128, 64, 32 that divides
-  every quantized matrix's input size (:func:`int4_group_size`).
+  ``_weight_int4pack_mm_for_cpu``). ``G`` is 32 (:data:`INT4_GROUP_SIZES`): llama.cpp's
+  4-bit blocks (Q4_0/1, Q4_K) are 32 values on a 16-level grid, which groups of 32
+  re-quantize almost as they were. Measured (greedy, 4 prompts x 48 tokens, tokens equal
+  to fp32's before the first divergence): Gemma 3 270M (Q4_K_M) 3 of 192 with groups of
+  128, 48 with 64 or 32; SmolLM2 (Q4_1) 1 with 64, 52 with 32; speed within noise.
 
 Embeddings are quantized the same way and looked up row by row (``rows``); a tied output
 projection shares them. The kernels take their inputs in a *compute dtype*, bf16 by default:
@@ -36,8 +39,8 @@ __all__ = ["QUANTIZATIONS", "INT4_GROUP_SIZES", "Int8Weight", "Int4Weight", "qua
 
 #: the ``--quantization`` values
 QUANTIZATIONS = ("int8", "int4")
-#: int4 group sizes, preferred first
-INT4_GROUP_SIZES = (128, 64, 32)
+#: int4 group sizes, preferred first (the first that divides every input size is used)
+INT4_GROUP_SIZES = (32, 64, 128)
 #: inputs of more rows than this run on the dequantized weight (a dense GEMM)
 KERNEL_ROWS = 32
 
@@ -190,13 +193,14 @@ class Int4Weight:
 
 
 def int4_group_size(in_features: Iterable[int]) -> int:
-    """The largest of :data:`INT4_GROUP_SIZES` that divides every input size; InvalidConfigError if none."""
+    """The first of :data:`INT4_GROUP_SIZES` that divides every input size; InvalidConfigError if none."""
     sizes = sorted(set(in_features))
     for g in INT4_GROUP_SIZES:
         if all(k % g == 0 for k in sizes):
             return g
     raise InvalidConfigError(
-        f"int4 quantization needs every weight's input size to be a multiple of 32; this model has "
+        f"int4 quantization needs every weight's input size to be a multiple of {min(INT4_GROUP_SIZES)}; "
+        f"this model has "
         f"{', '.join(str(k) for k in sizes if k % 32)}: use --quantization int8"
     )
 

@@ -34,8 +34,8 @@ def quant_slots(model) -> list[tuple[str, torch.nn.Module, str, torch.Tensor]]:
 
 def quantize_model(model, mode: str, compute_dtype: torch.dtype = torch.bfloat16) -> None:
     """Quantize ``model``'s weights as ``mode``; the kernels take inputs in ``compute_dtype``
-    (bf16: see :mod:`~hybridkv.engine.models.quantize` for why). int4 groups: the largest of
-    128, 64, 32 dividing every input size (else an InvalidConfigError before anything changes).
+    (bf16: see :mod:`~hybridkv.engine.models.quantize` for why). int4 groups of 32 (the input
+    sizes must be multiples of 32, else an InvalidConfigError before anything changes).
     CPU only (torch's kernels)."""
     if mode not in QUANTIZATIONS:
         raise InvalidConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {mode!r}")
