@@ -373,3 +373,20 @@ def test_random_simulate_options_are_a_run_or_one_line(picks, model, capsys):
     with hang_guard():
         code = main(argv)
     _check_outcome(code, *capsys.readouterr())
+
+
+@pytest.mark.parametrize("module,argv,line", [
+    ("httpx", ["route", "--replica", "http://127.0.0.1:9"],
+     "hybridkv route: error: route needs httpx, which is not installed: pip install 'hybridkv[server]'"),
+    ("numpy", ["generate", "{M}", "--prompt-ids", "1"],
+     "hybridkv generate: error: generate needs numpy, which is not installed: pip install 'hybridkv[engine]'"),
+    ("gguf", ["serve", "{M}"],
+     "hybridkv serve: error: serve needs gguf, which is not installed: pip install 'hybridkv[engine]'"),
+])
+def test_a_missing_extra_is_one_line(module, argv, line, tiny_llama, monkeypatch, capsys):
+    """A command whose extra is not installed names the extra, in one line, exit 2 (issue 23, item 1)."""
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` raises ImportError
+    argv = [a.replace("{M}", str(tiny_llama)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [line]

@@ -215,14 +215,18 @@ def _retention(text: str) -> int | None:
     return value
 
 
-def _require_engine_dependencies() -> None:
-    """torch and safetensors, imported here so that a missing one is one line, not a traceback."""
-    for module in ("torch", "safetensors"):
+#: what the engine imports (the [engine] extra's modules; tqdm only draws a progress bar)
+ENGINE_MODULES = ("torch", "safetensors", "numpy", "gguf", "tokenizers", "jinja2")
+
+
+def _require_engine_dependencies(command: str = "generate") -> None:
+    """The [engine] extra's modules, imported here so that a missing one is one line, not a traceback."""
+    for module in ENGINE_MODULES:
         try:
             importlib.import_module(module)
         except ImportError:
             raise InvalidConfigError(
-                f"generate needs {module}, which is not installed: pip install 'hybridkv[engine]'"
+                f"{command} needs {module}, which is not installed: pip install 'hybridkv[engine]'"
             ) from None
 
 

@@ -16,14 +16,15 @@ from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 __all__ = ["bind_socket", "require_server_dependencies", "uvicorn_server"]
 
 
-def require_server_dependencies(kv_events: bool) -> None:
-    needed = ["fastapi", "uvicorn", "prometheus_client"] + (["zmq", "msgspec"] if kv_events else [])
+def require_server_dependencies(kv_events: bool, command: str = "serve", extra: tuple[str, ...] = ()) -> None:
+    """Refuse (one line, exit 2 in the CLI) a ``command`` whose [server] modules are missing."""
+    needed = ["fastapi", "uvicorn", "prometheus_client", *extra] + (["zmq", "msgspec"] if kv_events else [])
     for module in needed:
         try:
             importlib.import_module(module)
         except ImportError:
             raise InvalidConfigError(
-                f"serve needs {module}, which is not installed: pip install 'hybridkv[server]'"
+                f"{command} needs {module}, which is not installed: pip install 'hybridkv[server]'"
             ) from None
 
 

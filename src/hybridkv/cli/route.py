@@ -75,14 +75,15 @@ def _tokenizer(model: str | None):
 def run(args: argparse.Namespace) -> int:
     from hybridkv.cli.http_server import bind_socket, require_server_dependencies, uvicorn_server
     from hybridkv.router.replica import ReplicaSpec
-    from hybridkv.router.router import Router, RouterConfig
 
     if not args.replica:
         raise InvalidConfigError("give at least one --replica URL[,EVENTS[,REPLAY]]")
     specs = [ReplicaSpec.parse(text) for text in args.replica]
+    require_server_dependencies(any(s.events for s in specs), command="route", extra=("httpx",))
+    from hybridkv.router.router import Router, RouterConfig
+
     config = RouterConfig(policy=args.policy, max_imbalance=args.max_imbalance, health_interval=args.health_interval,
                           events_timeout=args.events_timeout, shadow_peek=args.shadow_peek)
-    require_server_dependencies(any(s.events for s in specs))
     tokenizer = _tokenizer(args.model)
     router = Router(specs, config, tokenizer)
     sock = bind_socket(args.host, args.port)

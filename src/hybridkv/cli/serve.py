@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_blocks is not None and args.kv_cache_memory is not None:
         raise InvalidArgumentError("give --num-blocks or --kv-cache-memory, not both")
     require_server_dependencies(config.kv_events is not None)
-    _require_engine_dependencies()
+    _require_engine_dependencies("serve")
     from hybridkv.planner.presets import load_model_config
 
     loaded = load_model_config(source.path)
