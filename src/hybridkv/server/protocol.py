@@ -26,6 +26,7 @@ __all__ = [
     "StreamOptions",
     "chat_messages",
     "completion_prompt_list",
+    "valid_text",
     "unsupported",
 ]
 
@@ -130,6 +131,19 @@ def unsupported(request: _Model) -> tuple[str, str] | None:
     return None
 
 
+def valid_text(text: str, param: str, where: str) -> str:
+    """``text`` if it is valid Unicode (encodes to UTF-8); a lone surrogate such as a JSON
+    ``"\\ud800"`` is an InvalidArgumentError naming ``param`` (a 400, never the tokenizer's 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(
+            f"{where} is not valid Unicode: an unpaired surrogate (U+{ord(text[exc.start]):04X}) at "
+            f"character {exc.start}", param=param,
+        ) from None
+    return text
+
+
 def completion_prompt_list(req: CompletionRequest) -> list[Any]:
     """The prompts of a completions request: text or token ids, one or a list (one choice each)."""
     p = req.prompt
@@ -139,6 +153,9 @@ def completion_prompt_list(req: CompletionRequest) -> list[Any]:
         prompts = list(p)
     if not prompts:
         raise InvalidArgumentError("the prompt is empty", param="prompt")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            valid_text(prompt, "prompt", "the prompt" if len(prompts) == 1 else f"prompt {i}")
     return prompts
 
 
@@ -158,5 +175,6 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                     )
                 parts.append(part["text"])
             content = "".join(parts)
-        messages.append({"role": m.role, "content": content or ""})
+        valid_text(m.role, "messages", f"message {i}'s role")
+        messages.append({"role": m.role, "content": valid_text(content or "", "messages", f"message {i}'s content")})
     return messages
