@@ -390,3 +390,18 @@ def test_a_missing_extra_is_one_line(module, argv, line, tiny_llama, monkeypatch
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [line]
+
+
+def test_probe_access_lines_are_debug_only():
+    """uvicorn's access lines for /health and /metrics are dropped above --log-level debug (issue 23, item 7)."""
+    import logging
+
+    from hybridkv.cli.http_server import QuietProbes
+
+    def record(path):
+        return logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:5", "GET", path, "1.1", 200), None)
+
+    f = QuietProbes()
+    assert not f.filter(record("/health")) and not f.filter(record("/metrics?x=1"))
+    assert f.filter(record("/v1/completions")) and f.filter(record("/v1/models"))

@@ -134,7 +134,7 @@ def test_a_replica_failing_mid_stream_ends_the_stream_with_an_error():
     events = [b for b in r.text.split("\n\n") if b.strip()]
     assert events[-1] == "data: [DONE]"
     err = json.loads(events[-2][len("data: "):])
-    assert err["error"]["code"] == 502 and err["error"]["type"] == "server_error"
+    assert err["error"]["code"] is None and err["error"]["type"] == "server_error"
     assert in_flight == 0
 
 
@@ -147,10 +147,45 @@ def test_bad_bodies_are_400_and_unknown_routes_404():
                 await client.get("/router/replicas"))
 
     bad, missing, replicas = _run(fake, body)
-    assert bad.status_code == 400 and bad.json()["error"]["message"] == "malformed JSON body"
+    assert bad.status_code == 400 and bad.json() == {"error": {
+        "message": "malformed JSON body", "type": "invalid_request_error", "param": None, "code": None}}
     assert missing.status_code == 404 and "error" in missing.json()
     assert replicas.json()["replicas"][0]["url"] == "http://r0:8000"
     assert not fake.seen
+
+
+def test_a_body_nested_too_deeply_is_a_400():
+    """50,000 levels of JSON: the parser's RecursionError is a 400 in OpenAI's shape, not a 500 (issue 23, item 3)."""
+    fake = FakeReplicas(1)
+
+    async def body(client, router):
+        deep = b"[" * 50_000 + b"]" * 50_000
+        return (await client.post("/v1/completions", content=b'{"prompt": ' + deep + b"}"),
+                await client.post("/v1/chat/completions", content=deep))
+
+    for r in _run(fake, body):
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {"message": "malformed JSON body: nested too deeply",
+                                     "type": "invalid_request_error", "param": None, "code": None}
+    assert not fake.seen
+
+
+def test_only_admitted_requests_expect_kv_events():
+    """A 4xx from a replica admitted nothing: the router must not wait for its blocks' events
+    (it used to, and dropped a healthy replica's index on the timeout; issue 23, item 5)."""
+    fake = FakeReplicas(1)
+    served = []
+
+    async def body(client, router):
+        router.served = lambda replica, *args: served.append(replica.name)
+        refused = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
+        after_refusal = list(served)
+        ok = await client.post("/v1/completions", json={"prompt": "x"})
+        return refused, after_refusal, ok, router.replicas[0].in_flight
+
+    refused, after_refusal, ok, in_flight = _run(fake, body)
+    assert refused.status_code == 400 and ok.status_code == 200
+    assert after_refusal == [] and served == ["r0"] and in_flight == 0
 
 
 def test_replica_specs_are_checked():

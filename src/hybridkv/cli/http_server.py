@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import signal
 import socket
 import sys
@@ -44,6 +45,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+#: routes load balancers and scrapers poll: their access lines are debug, not info
+PROBE_PATHS = ("/health", "/metrics")
+
+
+class QuietProbes(logging.Filter):
+    """Drops uvicorn's access lines for :data:`PROBE_PATHS` (at ``--log-level info`` a
+    health-checked server logged mostly probes); ``--log-level debug`` keeps them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].split("?", 1)[0] not in PROBE_PATHS
+        return True
+
+
+def quiet_probe_logs(log_level: str) -> None:
+    """Above debug, keep probes out of uvicorn's access log (call after ``uvicorn.Config``)."""
+    if log_level != "debug":
+        logging.getLogger("uvicorn.access").addFilter(QuietProbes())
 
 
 def uvicorn_server(uv_config, front, config, ready_line: str):

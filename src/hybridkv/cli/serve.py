@@ -24,7 +24,7 @@ import socket
 import sys
 
 from hybridkv.cli.generate import _check_pool, _require_engine_dependencies, add_engine_options, engine_config
-from hybridkv.cli.http_server import bind_socket, require_server_dependencies, uvicorn_server
+from hybridkv.cli.http_server import bind_socket, quiet_probe_logs, require_server_dependencies, uvicorn_server
 from hybridkv.cli.model_dir import resolve_model_source
 from hybridkv.cli.options import finite_float, int_range
 from hybridkv.errors import InvalidArgumentError
@@ -141,11 +141,10 @@ def _serve(args: argparse.Namespace, config, source, sock: socket.socket) -> int
         ready += f"; KV events on {publisher.endpoint}"
         if publisher.replay_endpoint is not None:
             ready += f", replay on {publisher.replay_endpoint}"
-    server = uvicorn_server(
-        uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=int(config.drain_timeout) + 5,
-                       access_log=args.log_level in ("debug", "info")),
-        front, config, ready,
-    )
+    uv_config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=int(config.drain_timeout) + 5,
+                               access_log=args.log_level in ("debug", "info"))
+    quiet_probe_logs(args.log_level)
+    server = uvicorn_server(uv_config, front, config, ready)
     server.run(sockets=[sock])
     if app.state.final_blocks is None:
         print(f"{PREFIX}: error: the server did not start", file=sys.stderr)

@@ -47,7 +47,8 @@ _HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-
 
 
 def _error(status: int, message: str, type_: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, None, status), status_code=status, headers=headers)
+    """OpenAI's error shape, as the server writes it (``code`` null: the status and type say it)."""
+    return JSONResponse(error_body(message, type_), status_code=status, headers=headers)
 
 
 class _Metrics:
@@ -107,6 +108,8 @@ def create_router_app(router: Router) -> FastAPI:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             return _error(400, "malformed JSON body", "invalid_request_error")
+        except RecursionError:  # nested deeper than the parser's stack
+            return _error(400, "malformed JSON body: nested too deeply", "invalid_request_error")
         token_ids = router.prompt_ids(body, chat)
         stream = isinstance(body, dict) and body.get("stream") is True
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
@@ -150,7 +153,7 @@ def create_router_app(router: Router) -> FastAPI:
         def done(outcome: str) -> None:
             replica.in_flight -= 1
             metrics.requests.labels(replica.name, outcome).inc()
-            if outcome == "ok":
+            if outcome == "ok":  # a 2xx admitted its prompt: its blocks' KV events must follow
                 router.served(replica, prompt_len, predicted, sent_at)
 
         if stream and upstream.status_code == 200:
@@ -162,7 +165,8 @@ def create_router_app(router: Router) -> FastAPI:
             return _error(502, f"replica {replica.name} failed mid-response: {exc.__class__.__name__}", "server_error")
         finally:
             await upstream.aclose()
-        done("ok" if upstream.status_code < 500 else "error")
+        # a 4xx admitted nothing (no KV events to wait for), a 5xx failed
+        done("ok" if upstream.status_code < 400 else "rejected" if upstream.status_code < 500 else "error")
         return Response(content, status_code=upstream.status_code, headers=out_headers)
 
     @app.post("/v1/completions")
@@ -208,7 +212,7 @@ async def _relay(upstream: httpx.Response, replica: Replica, done, router: Route
             yield chunk
     except httpx.HTTPError as exc:
         outcome = "error"
-        body = error_body(f"replica {replica.name} failed mid-stream: {exc.__class__.__name__}", "server_error", None, 502)
+        body = error_body(f"replica {replica.name} failed mid-stream: {exc.__class__.__name__}", "server_error")
         yield f"\n\ndata: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
         if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
             router.mark_down(replica, "failed mid-stream")
