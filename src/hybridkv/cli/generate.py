@@ -123,7 +123,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help='one prompt per line, or JSON lines with "prompt" or "messages" (default: none)')
     p.add_argument("--prompt-ids", action="append", default=[], metavar="IDS",
                    help="comma-separated token ids; repeatable; output printed as ids (default: none)")
-    p.add_argument("--max-tokens", type=int_range(1), default=16, help="tokens to generate per prompt at most (default 16)")
+    p.add_argument("--max-tokens", type=int_range(1), default=16,
+                   help="tokens to generate per prompt at most; prompt + max-tokens must fit --max-model-len, "
+                        "as in serve (default 16)")
     p.add_argument("--temperature", type=finite_float(0.0), default=0.0, help="sampling temperature; 0 is greedy (default 0)")
     p.add_argument("--top-k", type=int_range(0), default=0, help="sample from the k most likely tokens; 0 = all (default 0)")
     p.add_argument("--top-p", type=finite_float(0.0, 1.0, low_open=True), default=1.0,

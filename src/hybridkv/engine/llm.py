@@ -32,7 +32,7 @@ from typing import Any, Iterator, Sequence
 from hybridkv.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.errors import InvalidArgumentError
-from hybridkv.scheduler.interface import SamplingParams
+from hybridkv.scheduler.interface import SamplingParams, check_context
 from hybridkv.tokenizer.prompts import Prompt, _need_tokenizer, checkpoint_tokenizer, encode_prompt
 
 __all__ = ["LLM", "CompletionOutput", "TextDelta", "TextStream", "Prompt", "checkpoint_tokenizer", "encode_prompt"]
@@ -166,6 +166,8 @@ class LLM:
             if len(params) != len(prompts):
                 raise InvalidArgumentError(f"{len(params)} sampling params for {len(prompts)} prompts")
         encoded = [self.encode(p) for p in prompts]  # every template / tokenizer error before any request
+        for ids, sp in zip(encoded, params):  # as serve: prompt + max_tokens must fit, never capped
+            check_context(len(ids), sp.max_tokens, self.engine.max_model_len)
         streams: dict[str, TextStream] = {}
         try:
             for i, (ids, sp) in enumerate(zip(encoded, params)):

@@ -15,9 +15,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
 
-from hybridkv.errors import InvalidArgumentError
+from hybridkv.errors import InvalidArgumentError, PromptTooLongError
 
-__all__ = ["SamplingParams", "ScheduledRequest", "SchedulerOutput", "ModelRunner"]
+__all__ = ["SamplingParams", "ScheduledRequest", "SchedulerOutput", "ModelRunner", "check_context"]
+
+
+def check_context(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
+    """The request's prompt and its ``max_tokens`` must fit ``max_model_len`` (OpenAI's and vLLM's
+    rule: refused, never silently capped); the one rule of ``serve`` and of the text front
+    (``LLM``, ``generate``). PromptTooLongError otherwise."""
+    if prompt_len >= max_model_len:
+        why = "exceeds" if prompt_len > max_model_len else "leaves no room for an output token within"
+        raise PromptTooLongError(
+            f"this model's maximum context length is {max_model_len} tokens; a prompt of {prompt_len} "
+            f"tokens {why} max_model_len {max_model_len}"
+        )
+    if prompt_len + max_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"this model's maximum context length is {max_model_len} tokens; you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion)"
+        )
 
 
 @dataclass(frozen=True, slots=True)

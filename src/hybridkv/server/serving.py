@@ -29,8 +29,8 @@ from typing import Any, AsyncIterator
 
 from pydantic import ValidationError
 
-from hybridkv.errors import EngineFailedError, InvalidArgumentError, ModelNotFoundError, PromptTooLongError
-from hybridkv.scheduler.interface import SamplingParams
+from hybridkv.errors import EngineFailedError, InvalidArgumentError, ModelNotFoundError
+from hybridkv.scheduler.interface import SamplingParams, check_context
 from hybridkv.server.async_llm import AsyncLLM, Chunk, Submission, TokenLogprob
 from hybridkv.server.config import ServerConfig
 from hybridkv.server.protocol import (
@@ -92,20 +92,12 @@ class OpenAIServing:
         if getattr(req, "max_completion_tokens", None) is not None:
             max_tokens = req.max_completion_tokens
         room = self.max_model_len - prompt_len
-        if room < 1:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{prompt_len}, which leaves no room for an output token"
-            )
+        check_context(prompt_len, 1, self.max_model_len)  # room for one output token
         if max_tokens is None:
             max_tokens = room if default_max is None else min(default_max, room)
         if max_tokens < 1:
             raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-        if prompt_len + max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion)"
-            )
+        check_context(prompt_len, max_tokens, self.max_model_len)
         temperature = 1.0 if req.temperature is None else float(req.temperature)
         if not 0 <= temperature < math.inf:
             raise InvalidArgumentError(f"temperature must be a number >= 0, got {req.temperature}", param="temperature")
