@@ -107,12 +107,19 @@ def test_a_refused_connection_marks_the_replica_down_and_goes_elsewhere():
         fake.dead.update({"r1", "r2"})
         none = await client.post("/v1/completions", json={"prompt": "x"})
         health = await client.get("/health")
+        failures = [r.num_failures for r in router.replicas]
         fake.dead.clear()
         await router.probe_all()
         back = await client.post("/v1/completions", json={"prompt": "x"})
-        return first, up, none, health, back
+        fake.dead.add("r1")
+        await router.probe_all()  # a death the health probe finds counts too (issue 23, item 7)
+        await router.probe_all()  # ... once
+        described = (await client.get("/router/replicas")).json()["replicas"]
+        return first, up, none, health, back, failures, described
 
-    first, up, none, health, back = _run(fake, body)
+    first, up, none, health, back, failures, described = _run(fake, body)
+    assert failures == [1, 1, 1]  # each went down once
+    assert [r["failures"] for r in described] == [1, 2, 1] and not described[1]["up"]
     assert first.status_code == 200 and first.headers["x-hybridkv-replica"] in ("r1", "r2")
     assert up == [False, True, True]
     assert none.status_code == 503 and none.headers["retry-after"] == "1"

@@ -125,8 +125,7 @@ def create_router_app(router: Router) -> FastAPI:
                     stream=True,
                 )
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                replica.in_flight -= 1
-                replica.num_failures += 1
+                replica.in_flight -= 1  # mark_down counts the failure (once, when it goes down)
                 metrics.requests.labels(replica.name, "connect_error").inc()
                 router.mark_down(replica, f"connect: {exc.__class__.__name__}")
                 tried.add(replica.name)

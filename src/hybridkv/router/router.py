@@ -151,8 +151,11 @@ class Router:
             r.up = False  # draining: out of rotation, index kept
 
     def mark_down(self, r: Replica, reason: str) -> None:
+        """Take ``r`` out of rotation and drop its index; a replica that was up counts one failure
+        (``/router/replicas``' ``failures``: how often it went down, and requests it failed)."""
         if r.up:
             log.warning("replica %s (%s) is down (%s)", r.name, r.spec.url, reason)
+            r.num_failures += 1
         r.up = False
         self.drop_index(r, "down")
 
