@@ -54,7 +54,8 @@ from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation, torch_d
 from hybridkv.engine.layout import EngineLayout
 from hybridkv.engine.kv_summary import KVSummary, UsageTracker, kv_bytes_per_request, state_bytes_per_request
 from hybridkv.engine.model_runner import PagedModelRunner
-from hybridkv.engine.models import check_quantization, load_model
+from hybridkv.engine.models import load_model
+from hybridkv.engine.models.quantize import check_quantization
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.state_runner import StateRunner
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, UnknownRequestError

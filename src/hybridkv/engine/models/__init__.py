@@ -14,8 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
-
 from hybridkv.checkpoint.config import as_model_source, read_model_config
 from hybridkv.checkpoint.installed import ModelSource
 from hybridkv.engine.models.base import CausalLM
@@ -27,7 +25,8 @@ from hybridkv.engine.models.mistral import MistralForCausalLM
 from hybridkv.engine.models.qwen2 import Qwen2ForCausalLM
 from hybridkv.engine.models.qwen3 import Qwen3ForCausalLM
 from hybridkv.engine.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
-from hybridkv.errors import InvalidConfigError, UnknownArchitectureError
+from hybridkv.engine.models.quantize import check_quantization
+from hybridkv.errors import UnknownArchitectureError
 
 __all__ = [
     "CausalLM",
@@ -93,15 +92,3 @@ def load_model(
     check_quantization(quantization, device)
     return model_class_for(config).from_config(config, source, dtype=dtype, device=device, prepack=prepack,
                                                quantization=quantization)
-
-
-def check_quantization(quantization: str | None, device: str) -> None:
-    """Refuse (InvalidConfigError) a quantization that is unknown or cannot run on ``device``."""
-    from hybridkv.engine.models.quantize import QUANTIZATIONS
-
-    if quantization is None:
-        return
-    if quantization not in QUANTIZATIONS:
-        raise InvalidConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
-    if torch.device(device).type != "cpu":
-        raise InvalidConfigError(f"weight-only quantization runs on a CPU (torch's kernels), not {device}")

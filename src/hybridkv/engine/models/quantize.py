@@ -35,7 +35,10 @@ import torch
 
 from hybridkv.errors import InvalidConfigError
 
-__all__ = ["QUANTIZATIONS", "INT4_GROUP_SIZES", "Int8Weight", "Int4Weight", "quantize_weight", "int4_group_size"]
+__all__ = [
+    "QUANTIZATIONS", "INT4_GROUP_SIZES", "Int8Weight", "Int4Weight", "check_quantization", "quantize_weight",
+    "int4_group_size",
+]
 
 #: the ``--quantization`` values
 QUANTIZATIONS = ("int8", "int4")
@@ -205,12 +208,22 @@ def int4_group_size(in_features: Iterable[int]) -> int:
     )
 
 
+def check_quantization(quantization: str | None, device: str | torch.device = "cpu") -> None:
+    """Refuse (InvalidConfigError) a quantization that is unknown or cannot run on ``device``
+    (None, no quantization, always can)."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise InvalidConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if torch.device(device).type != "cpu":
+        raise InvalidConfigError(f"weight-only quantization runs on a CPU (torch's kernels), not {device}")
+
+
 def quantize_weight(weight: torch.Tensor, mode: str, dtype: torch.dtype, group: int = 128,
                     matmul: bool = True) -> Int8Weight | Int4Weight:
     """``weight`` [N, K] quantized as ``mode`` (``"int8"`` / ``"int4"``), computed in ``dtype``
     (``matmul=False``: an embedding only looked up, no int4 kernel layout)."""
+    check_quantization(mode, weight.device)
     if mode == "int8":
         return Int8Weight(weight, dtype)
-    if mode == "int4":
-        return Int4Weight(weight, group, dtype, matmul=matmul)
-    raise InvalidConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {mode!r}")
+    return Int4Weight(weight, group, dtype, matmul=matmul)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hybridkv.engine.models.linear import Linear
-from hybridkv.engine.models.quantize import QUANTIZATIONS, int4_group_size, quantize_weight
+from hybridkv.engine.models.quantize import check_quantization, int4_group_size, quantize_weight
 from hybridkv.engine.models.weights import progress
 from hybridkv.errors import InvalidConfigError
 
@@ -37,13 +37,10 @@ def quantize_model(model, mode: str, compute_dtype: torch.dtype = torch.bfloat16
     (bf16: see :mod:`~hybridkv.engine.models.quantize` for why). int4 groups of 32 (the input
     sizes must be multiples of 32, else an InvalidConfigError before anything changes).
     CPU only (torch's kernels)."""
-    if mode not in QUANTIZATIONS:
-        raise InvalidConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {mode!r}")
+    embed = model.model.embed_tokens.weight
+    check_quantization(mode, embed.device)
     if model.quantization is not None:
         raise InvalidConfigError(f"the weights are already quantized ({model.quantization})")
-    embed = model.model.embed_tokens.weight
-    if embed.device.type != "cpu":
-        raise InvalidConfigError(f"weight-only quantization runs on a CPU (torch's kernels), not {embed.device}")
     slots = quant_slots(model)
     group = int4_group_size([w.shape[1] for *_, w in slots] + [embed.shape[1]]) if mode == "int4" else 0
     for _, m, attr, w in progress(slots, f"quantizing ({mode})"):
