@@ -107,7 +107,7 @@ class AttentionMetadata:
     #: a CUDA-graph decode step: no sequence has more keys than this (its splits are fixed by it, not by the step)
     decode_key_bound: int | None = None
     block_ids: Sequence[Sequence[Sequence[int]]] | None = None  # the tables as given (cascade reads them)
-    #: ints -> an int64 tensor on the device (per-step plans use it; a CUDA runner's stages them, no sync)
+    #: ints -> an int64 tensor on the device (None: :func:`long_tensor`); use :meth:`ints`
     upload: Callable[[Sequence[int]], torch.Tensor] | None = None
     _memo: dict[Any, Any] = field(default_factory=dict)
 
@@ -137,8 +137,6 @@ class AttentionMetadata:
         upload: how ints reach the device (default :func:`~hybridkv.engine.host.long_tensor`).
         """
         device = storage.device
-        if upload is None:
-            upload = lambda values: long_tensor(values, device)  # noqa: E731
         bs = storage.block_size
         num_seqs = len(num_computed)
         if len(query_lens) != num_seqs or len(block_ids) != num_seqs:
@@ -162,8 +160,9 @@ class AttentionMetadata:
                     )
 
         starts, lens = [int(n) for n in num_computed], [int(q) for q in query_lens]
-        start = upload(starts)  # [S]
-        q_len = upload(lens)  # [S]
+        ints = upload if upload is not None else (lambda values: long_tensor(values, device))
+        start = ints(starts)  # [S]
+        q_len = ints(lens)  # [S]
         if max(lens) == 1:  # a pure decode step: one token per sequence
             seq_ids = torch.arange(num_seqs, device=device)  # [T = S]
             positions = start
@@ -182,7 +181,7 @@ class AttentionMetadata:
             for t in tables:
                 flat.extend(t)
                 flat.extend([0] * (width - len(t)))
-        tables_sgw = upload(flat).view(num_seqs, num_groups, width)  # [S, G, W]
+        tables_sgw = ints(flat).view(num_seqs, num_groups, width)  # [S, G, W]
         slots = tables_sgw.permute(1, 0, 2)[:, seq_ids, torch.div(positions, bs, rounding_mode="floor")]  # [G, T]
         slots = slots * bs + positions % bs
         return cls(
@@ -201,6 +200,13 @@ class AttentionMetadata:
             upload=upload,
         )
 
+    def ints(self, values: Sequence[int]) -> torch.Tensor:
+        """int64 tensor [n] of ``values`` on the step's device, through ``upload`` when given
+        (a CUDA runner's pinned stager: no host synchronisation)."""
+        if self.upload is not None:
+            return self.upload(values)
+        return long_tensor(values, self.positions.device)
+
     def memo(self, key: Any, make: Callable[[], Any]) -> Any:
         """``make()`` once per step under ``key`` (per-step tensors every layer reuses)."""
         try:
@@ -217,8 +223,7 @@ class AttentionMetadata:
             if seqs is None or (len(seqs) == self.num_tokens and seqs == list(range(self.num_seqs))):
                 return None
             ends = list(itertools.accumulate(self.query_lens))
-            rows = [ends[s] - 1 for s in seqs]
-            return self.upload(rows) if self.upload is not None else long_tensor(rows, self.positions.device)
+            return self.ints([ends[s] - 1 for s in seqs])
 
         return self.memo("output_rows", make)
 

@@ -22,7 +22,6 @@ import torch
 
 from hybridkv.engine.attention_plan import first_key
 from hybridkv.engine.cascade import cascade_prefix_len
-from hybridkv.engine.host import long_tensor
 from hybridkv.engine.kernels.kv_write import write_kv
 from hybridkv.engine.kernels.paged_attention import (
     block_q_for,
@@ -107,7 +106,7 @@ def _cascade(query, cache, table, meta, attn, scale, sinks, softcap, prefix: int
 
     def shared_plan() -> torch.Tensor:  # every row after the prefix, read through sequence 0's table
         flat = [v for r in range(0, rows, block_q) for v in (0, r, prefix - 1, min(block_q, rows - r))]
-        return _upload(meta, flat).view(-1, 4)
+        return meta.ints(flat).view(-1, 4)
 
     plan_a = meta.memo(("cascade_plan", rep, outputs_only, prefix), shared_plan)
     lse_a = torch.empty(rows, num_heads, dtype=torch.float32, device=query.device)
@@ -128,9 +127,5 @@ def _plan(meta, rep: int, outputs_only: bool) -> torch.Tensor:
         rows = query_blocks(ends, [1] * len(seqs), 1, seqs=seqs)
     else:
         rows = query_blocks(meta.starts, meta.query_lens, block_q_for(rep, False))
-    return _upload(meta, rows).view(-1, 4)
-
-
-def _upload(meta, values: list[int]) -> torch.Tensor:
-    return meta.upload(values) if meta.upload is not None else long_tensor(values, meta.positions.device)
+    return meta.ints(rows).view(-1, 4)
 

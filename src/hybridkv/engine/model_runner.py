@@ -21,6 +21,7 @@ Without one, nothing of this runs.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Sequence
 
 import torch
@@ -118,6 +119,7 @@ class PagedModelRunner:
         self.device = storage.device
         #: a step's ints reach a CUDA device through pinned memory, with no host synchronisation
         self.stager = PinnedStager(self.device) if self.device.type == "cuda" else None
+        self._ints = self.stager.long_tensor if self.stager is not None else partial(long_tensor, device=self.device)
         #: "reference" or "triton" (resolved: :func:`~hybridkv.engine.kernels.resolve_backend`)
         self.attention_backend = attention_backend
         #: pure-decode steps over static padded buffers (CUDA graphs on CUDA); None: every step eager
@@ -164,9 +166,9 @@ class PagedModelRunner:
             tables,
             output_seqs=sampled,
             backend=self.attention_backend,
-            upload=None if self.stager is None else self.stager.long_tensor,
+            upload=self._ints,
         )
-        input_ids = long_tensor(flat_ids, self.device) if self.stager is None else self.stager.long_tensor(flat_ids)
+        input_ids = self._ints(flat_ids)  # [T]
         if states is None:
             hidden = self.model(input_ids, meta.positions, meta)  # [N, hidden]: sampled requests' last tokens
         else:
