@@ -38,7 +38,7 @@ from hybridkv.engine.host import long_tensor
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 
-__all__ = ["AttentionType", "FULL", "AttentionMetadata", "paged_attention", "allowed_key_mask"]
+__all__ = ["AttentionType", "FULL", "AttentionMetadata", "paged_attention", "allowed_key_mask", "padded_tables"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +80,21 @@ FULL = AttentionType("full")
 def allowed_key_mask(attn: AttentionType, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """Bool mask, True where query position ``q_pos[..., i, None]`` may see ``k_pos[..., None, j]``."""
     return visible_keys(attn.kind, attn.size, q_pos, k_pos)
+
+
+def padded_tables(block_ids: Sequence[Sequence[Sequence[int]]]) -> tuple[list[int], int]:
+    """Every sequence's group tables flattened ``[S, G, W]``, null-padded to the widest (``W``).
+
+    >>> padded_tables([[[3, 4], [5]], [[6], [7, 8, 9]]])
+    ([3, 4, 0, 5, 0, 0, 6, 0, 0, 7, 8, 9], 3)
+    """
+    width = max(len(t) for tables in block_ids for t in tables)
+    flat: list[int] = []
+    for tables in block_ids:
+        for t in tables:
+            flat.extend(t)
+            flat.extend([0] * (width - len(t)))
+    return flat, width
 
 
 @dataclass(slots=True)
@@ -173,14 +188,8 @@ class AttentionMetadata:
             offset = torch.arange(total, device=device) - cu[seq_ids]  # [T] index within the sequence
             positions = start[seq_ids] + offset  # [T]
 
-        # every group's table in one tensor [S, G, W], null-padded to the widest table
         num_groups = storage.num_groups
-        width = max(len(t) for tables in block_ids for t in tables)
-        flat: list[int] = []
-        for tables in block_ids:
-            for t in tables:
-                flat.extend(t)
-                flat.extend([0] * (width - len(t)))
+        flat, width = padded_tables(block_ids)
         tables_sgw = ints(flat).view(num_seqs, num_groups, width)  # [S, G, W]
         slots = tables_sgw.permute(1, 0, 2)[:, seq_ids, torch.div(positions, bs, rounding_mode="floor")]  # [G, T]
         slots = slots * bs + positions % bs

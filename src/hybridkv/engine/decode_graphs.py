@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from hybridkv.engine.attention import AttentionMetadata
+from hybridkv.engine.attention import AttentionMetadata, padded_tables
 from hybridkv.engine.host import long_tensor
 from hybridkv.engine.kv_storage import PagedKVStorage
 
@@ -70,12 +70,12 @@ class DecodeGraphs:
         # [ids B | positions B | seq_lens B | slots G*B], int64, one copy per step
         self._host = torch.empty((3 + g) * b, dtype=torch.long, pin_memory=pin)
         self._dev = torch.zeros((3 + g) * b, dtype=torch.long, device=device)
-        # a step's tables [G, n, widest] go contiguous through a pinned and a device staging buffer
-        # (grown on demand); the tables the graphs read are int32, as vLLM's: [G, B, W]
+        # a step's tables [n, G, widest] go contiguous through a pinned and a device staging buffer
+        # (grown on demand); the tables the graphs read are int32, as vLLM's: [B, G, W]
         self._pin = pin
         self._host_tables = torch.zeros(0, dtype=torch.int32, pin_memory=pin)
         self._staged_tables = torch.zeros(0, dtype=torch.int32, device=device)
-        self.tables = torch.zeros(g, b, w, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(b, g, w, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.seq_lens = self._dev[:b], self._dev[b : 2 * b], self._dev[2 * b : 3 * b]
         self.slots = self._dev[3 * b :].view(g, b)  # [G, B]
         self.max_model_len = max_model_len
@@ -94,7 +94,7 @@ class DecodeGraphs:
             storage=self.storage, positions=self.positions[:size], start=self.positions[:size],
             q_len=torch.ones(size, dtype=torch.long, device=self.device), seq_len=self.seq_lens[:size],
             starts=[0] * size, query_lens=[1] * size,
-            block_tables=[self.tables[g, :size] for g in range(self.num_groups)],
+            block_tables=[self.tables[:size, g] for g in range(self.num_groups)],
             slot_mappings=[self.slots[g, :size] for g in range(self.num_groups)],
             output_seqs=None, backend="triton", decode_key_bound=self.max_model_len,
         )
@@ -111,15 +111,10 @@ class DecodeGraphs:
         host[b + n : b + size] = 0
         host[2 * b : 2 * b + n] = host[b : b + n] + 1
         host[2 * b + n : 2 * b + size] = 0
-        widest = max(len(t) for per_seq in tables for t in per_seq)
-        flat: list[int] = []
-        slots: list[int] = []
+        flat, widest = padded_tables(tables)  # [n, G, widest]
+        slots: list[int] = []  # [G, size]: the new token's slot in each group's table
         for g in range(self.num_groups):
-            for per_seq, p in zip(tables, computed):
-                t = per_seq[g]
-                flat.extend(t)
-                flat.extend([0] * (widest - len(t)))
-                slots.append(t[p // bs] * bs + p % bs)
+            slots.extend(per_seq[g][p // bs] * bs + p % bs for per_seq, p in zip(tables, computed))
             slots.extend([-1] * pad)
         host[3 * b :].view(self.num_groups, b)[:, :size] = long_tensor(slots).view(self.num_groups, size)
         count = len(flat)
@@ -132,7 +127,7 @@ class DecodeGraphs:
         self._dev.copy_(host, non_blocking=nb)
         staged = self._staged_tables[:count]
         staged.copy_(self._host_tables[:count], non_blocking=nb)
-        self.tables[:, :n, :widest] = staged.view(self.num_groups, n, widest)
+        self.tables[:n, :, :widest] = staged.view(n, self.num_groups, widest)
 
     def _forward(self, size: int) -> torch.Tensor:
         meta = self._meta[size]
