@@ -22,7 +22,7 @@ import torch
 
 from hybridkv.scheduler.interface import SamplingParams
 
-__all__ = ["Sampler", "step_seed"]
+__all__ = ["Sampler", "filtered_probs", "step_seed"]
 
 _MASK64 = (1 << 63) - 1
 
@@ -33,6 +33,27 @@ def step_seed(seed: int, num_output_tokens: int) -> int:
     x ^= x >> 31
     x = (x * 0xD6E8FEB86659FD93) & _MASK64
     return x ^ (x >> 29)
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [N, vocab] -> fp32 probabilities [N, vocab] after each row's temperature (1 for a
+    greedy row), top-k (ties with the k-th kept) and top-p (the smallest set whose mass reaches
+    it; a token whose higher-ranked mass already reaches ``top_p`` is dropped)."""
+    device, vocab = logits.device, logits.shape[-1]
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    x = logits.float() / temps.unsqueeze(1)  # [N, V]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if min(top_k) < vocab:
+        vals = torch.topk(x, max(top_k), dim=-1).values  # [N, kmax] descending
+        kth = vals.gather(1, torch.tensor(top_k, device=device).sub_(1).clamp_(max=vals.shape[1] - 1).unsqueeze(1))
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)  # [N, V]
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)  # [N, 1]
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_probs, -1) - sorted_probs  # mass strictly above each token
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill_(before >= top_p, 0.0))
+    return probs
 
 
 class Sampler:
@@ -64,16 +85,7 @@ class Sampler:
         """logits [vocab] -> one token id."""
         if params.greedy:
             return int(torch.argmax(logits))
-        scaled = logits.float().cpu() / params.temperature  # [V]
-        if params.top_k and params.top_k < scaled.shape[0]:
-            kth = torch.topk(scaled, params.top_k).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        if params.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            before = torch.cumsum(sorted_probs, 0) - sorted_probs  # mass strictly above each token
-            sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs = filtered_probs(logits.float().cpu().unsqueeze(0), [params])[0]  # [V]
         if params.seed is not None:
             gen = torch.Generator(device="cpu")
             gen.manual_seed(step_seed(params.seed, num_output_tokens))
@@ -85,25 +97,12 @@ class Sampler:
         self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
     ) -> list[int]:
         """logits [N, vocab] -> one token per row, every row at once where the logits are."""
-        n, vocab = logits.shape
         device = logits.device
         greedy = [p.greedy for p in params]
         best = torch.argmax(logits, dim=-1)  # [N]
         if all(greedy):
             return best.tolist()
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
-        x = logits.float() / temps.unsqueeze(1)  # [N, V]
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        if min(top_k) < vocab:
-            vals = torch.topk(x, max(top_k), dim=-1).values  # [N, kmax] descending
-            kth = vals.gather(1, torch.tensor(top_k, device=device).sub_(1).clamp_(max=vals.shape[1] - 1).unsqueeze(1))
-            x = x.masked_fill(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)  # [N, V]
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)  # [N, 1]
-            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-            before = torch.cumsum(sorted_probs, -1) - sorted_probs  # mass strictly above each token
-            probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill_(before >= top_p, 0.0))
+        probs = filtered_probs(logits, params)  # [N, V]
         noise = torch.empty_like(probs)  # [N, V] Exp(1): argmax(p / E) draws from p
         noise.exponential_(generator=self._device_generator(device))
         for row, (p, count) in enumerate(zip(params, num_output_tokens)):
