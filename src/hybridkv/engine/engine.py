@@ -49,7 +49,7 @@ from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheManagerCon
 from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.engine.decode_graphs import DecodeGraphs
 from hybridkv.engine.host import fit_threads_to_affinity
-from hybridkv.engine.kernels import BACKENDS, resolve_backend
+from hybridkv.engine.kernels import check_backend_name, resolve_backend
 from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation, torch_dtype
 from hybridkv.engine.layout import EngineLayout
 from hybridkv.engine.kv_summary import KVSummary, UsageTracker, kv_bytes_per_request, state_bytes_per_request
@@ -105,10 +105,7 @@ class EngineConfig:
             raise InvalidConfigError(f"hybrid must be a bool, got {self.hybrid!r}")
         if not isinstance(self.enforce_eager, bool):
             raise InvalidConfigError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
-        if self.attention_backend not in BACKENDS:
-            raise InvalidConfigError(
-                f"attention_backend must be one of {', '.join(BACKENDS)}; got {self.attention_backend!r}"
-            )
+        check_backend_name(self.attention_backend)
         if not self.hybrid and self.group_size is not None:
             raise InvalidConfigError("group_size applies to the hybrid layout; with hybrid off all layers are one group")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["BACKENDS", "interpreter_on", "resolve_backend", "triton_unavailable"]
+__all__ = ["BACKENDS", "check_backend_name", "interpreter_on", "resolve_backend", "triton_unavailable"]
 
 
 def interpreter_on() -> bool:
@@ -39,13 +39,20 @@ def triton_unavailable(device_type: str) -> str | None:
 BACKENDS = ("auto", "reference", "triton")
 
 
+def check_backend_name(name: object) -> None:
+    """Refuse (InvalidConfigError) an attention backend name not in :data:`BACKENDS`."""
+    from hybridkv.errors import InvalidConfigError
+
+    if name not in BACKENDS:
+        raise InvalidConfigError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+
+
 def resolve_backend(name: object, device_type: str) -> str:
     """``"auto"`` -> ``"triton"`` on CUDA when the kernels can run there, else ``"reference"``;
     ``"triton"`` where the kernels cannot run is an InvalidConfigError saying why."""
     from hybridkv.errors import InvalidConfigError
 
-    if name not in BACKENDS:
-        raise InvalidConfigError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+    check_backend_name(name)
     if name == "auto":
         return "triton" if device_type == "cuda" and triton_unavailable("cuda") is None else "reference"
     if name == "triton":
