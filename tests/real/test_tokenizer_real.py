@@ -138,3 +138,27 @@ def test_load_tokenizer_from_saved_directory(tmp_path, smollm_tok, hf_smollm_tok
     assert (loaded.bos_token_id, loaded.eos_token_ids) == (smollm_tok.bos_token_id, smollm_tok.eos_token_ids)
     for text in REALISTIC[:50]:
         assert loaded.encode(text) == hf_smollm_tokenizer(text).input_ids
+
+
+@pytest.mark.parametrize("name", ["smollm", "gemma"])
+def test_long_texts_encode_alike_and_min_tokens_is_a_lower_bound(name, request):
+    """Texts past RELEASE_GIL_CHARS go through ``encode_batch`` (GIL released): the same ids as
+    ``encode``; and ``min_tokens`` never exceeds the real count (random texts, every script)."""
+    import random
+
+    from hybridkv.tokenizer.hf import RELEASE_GIL_CHARS
+    from hybridkv.tokenizer.prompts import min_tokens
+
+    tok = request.getfixturevalue(f"{name}_tok")
+    rng = random.Random(5)
+    pieces = ["hello", " world", "\n\n", "    ", "é", "日本語", "🙂", "\t", "1234567", "=" * 40, " " * 31,
+              "<start_of_turn>", "<|im_start|>", "\u0301", "ﬁ", "\x00"]
+    for trial in range(4):
+        text = "".join(rng.choice(pieces) for _ in range(RELEASE_GIL_CHARS // 4))
+        assert len(text) >= RELEASE_GIL_CHARS
+        ids = tok.encode(text)
+        assert ids == tok.backend.encode(text, add_special_tokens=True).ids
+        assert min_tokens(tok, len(text)) <= len(ids)
+    for piece in pieces:  # the worst case: one piece repeated
+        text = piece * 2000
+        assert min_tokens(tok, len(text)) <= len(tok.encode(text)), piece

@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
+import time
 
 import httpx
 import pytest
 
 pytest.importorskip("fastapi")
 
+from hybridkv.errors import InvalidConfigError  # noqa: E402
 from hybridkv.router.policy import make_policy, pick  # noqa: E402
 from hybridkv.router.replica import Replica, ReplicaSpec  # noqa: E402
 from hybridkv.router.router import Router, RouterConfig  # noqa: E402
@@ -323,3 +326,80 @@ def test_hybrid_breaks_hit_ties_towards_the_replica_holding_the_chain():
 
     (chosen, hit), (loaded, _) = asyncio.run(main())
     assert (chosen.name, hit, loaded.name) == ("r0", 0, "r1")
+
+
+class _SlowTokenizer:
+    """Characters as ids; a text holding ``slow`` takes 1.5 s (a huge prompt's tokenization)."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.lengths: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.lengths.append(len(text))
+        if "slow" in text:
+            self.started.set()
+            time.sleep(1.5)
+        return [ord(c) % 128 for c in text]
+
+
+def test_bodies_over_the_limit_are_413_at_the_router():
+    fake = FakeReplicas(2)
+    big = json.dumps({"prompt": "a" * 5000, "max_tokens": 2}).encode()
+
+    async def chunks():
+        for i in range(0, len(big), 1000):
+            yield big[i : i + 1000]
+
+    async def body(client, router):
+        declared = await client.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        chunked = await client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        small = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        return declared, chunked, small, [r.up for r in router.replicas]
+
+    declared, chunked, small, up = _run(fake, body, config=RouterConfig(policy="least-loaded", health_interval=60,
+                                                                        max_request_bytes=4096))
+    for r in (declared, chunked):
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert small.status_code == 200 and up == [True, True]
+    assert len(fake.seen) == 1  # the refused bodies never reached a replica
+    with pytest.raises(InvalidConfigError, match="max_request_bytes"):
+        RouterConfig(max_request_bytes=0)
+
+
+def test_the_router_tokenizes_off_the_event_loop_and_skips_huge_prompts():
+    from hybridkv.router.app import create_router_app
+    from hybridkv.router.router import MAX_ROUTED_CHARS
+
+    fake = FakeReplicas(2)
+    tok = _SlowTokenizer()
+    router = Router([ReplicaSpec(f"http://r{i}:8000") for i in range(2)],
+                    RouterConfig(policy="hybrid", health_interval=60, max_request_bytes=8 * MAX_ROUTED_CHARS), tok,
+                    transport=httpx.MockTransport(fake))
+    app = create_router_app(router)
+
+    async def main():
+        await router.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router",
+                                         timeout=30) as client:
+                job = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "slow one", "max_tokens": 2}))
+                while not tok.started.is_set():
+                    await asyncio.sleep(0.01)
+                waits = []
+                while not job.done():
+                    t0 = time.perf_counter()
+                    assert (await client.get("/health")).status_code == 200
+                    waits.append(time.perf_counter() - t0)
+                    await asyncio.sleep(0.05)
+                huge = await client.post("/v1/completions", json={"prompt": "b" * (MAX_ROUTED_CHARS + 1), "max_tokens": 2})
+                return await job, waits, huge
+        finally:
+            await router.stop()
+
+    slow, waits, huge = asyncio.run(main())
+    assert slow.status_code == 200 and huge.status_code == 200
+    assert len(waits) >= 5 and max(waits) < 0.5, waits
+    assert huge.headers["x-hybridkv-predicted-hit"] == "0"
+    assert max(tok.lengths) <= MAX_ROUTED_CHARS  # the huge prompt went by load, untokenized

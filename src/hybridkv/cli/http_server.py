@@ -14,7 +14,7 @@ import threading
 
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 
-__all__ = ["bind_socket", "require_server_dependencies", "uvicorn_server"]
+__all__ = ["add_max_request_bytes", "bind_socket", "require_server_dependencies", "uvicorn_server"]
 
 
 def require_server_dependencies(kv_events: bool, command: str = "serve", extra: tuple[str, ...] = ()) -> None:
@@ -27,6 +27,16 @@ def require_server_dependencies(kv_events: bool, command: str = "serve", extra: 
             raise InvalidConfigError(
                 f"{command} needs {module}, which is not installed: pip install 'hybridkv[server]'"
             ) from None
+
+
+def add_max_request_bytes(parser) -> None:
+    """``--max-request-bytes`` (serve and route): a larger body is a 413 before anything parses it."""
+    from hybridkv.cli.options import int_range
+    from hybridkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
+
+    parser.add_argument("--max-request-bytes", type=int_range(1), default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+                        help=f"refuse request bodies larger than N bytes with 413 (default {DEFAULT_MAX_REQUEST_BYTES:,}: "
+                             "8 MiB)")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

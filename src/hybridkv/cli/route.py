@@ -19,6 +19,7 @@ import argparse
 import logging
 import sys
 
+from hybridkv.cli.http_server import add_max_request_bytes
 from hybridkv.cli.options import finite_float, int_range
 from hybridkv.errors import InvalidConfigError
 
@@ -49,6 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="seconds between replica health probes (default 1)")
     p.add_argument("--events-timeout", type=finite_float(0.0, low_open=True), default=5.0,
                    help="seconds a replica's events may lag a response before its index is dropped (default 5)")
+    add_max_request_bytes(p)
     p.add_argument("--shadow-peek", action="store_true",
                    help="benchmarks: ask the chosen replica's manager at each decision too, reported in "
                         "x-hybridkv-resident-hit (default off)")
@@ -83,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.router.router import Router, RouterConfig
 
     config = RouterConfig(policy=args.policy, max_imbalance=args.max_imbalance, health_interval=args.health_interval,
-                          events_timeout=args.events_timeout, shadow_peek=args.shadow_peek)
+                          events_timeout=args.events_timeout, shadow_peek=args.shadow_peek,
+                          max_request_bytes=args.max_request_bytes)
     tokenizer = _tokenizer(args.model)
     router = Router(specs, config, tokenizer)
     sock = bind_socket(args.host, args.port)

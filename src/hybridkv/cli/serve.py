@@ -24,7 +24,13 @@ import socket
 import sys
 
 from hybridkv.cli.generate import _check_pool, _require_engine_dependencies, add_engine_options, engine_config
-from hybridkv.cli.http_server import bind_socket, quiet_probe_logs, require_server_dependencies, uvicorn_server
+from hybridkv.cli.http_server import (
+    add_max_request_bytes,
+    bind_socket,
+    quiet_probe_logs,
+    require_server_dependencies,
+    uvicorn_server,
+)
 from hybridkv.cli.model_dir import resolve_model_source
 from hybridkv.cli.options import finite_float, int_range
 from hybridkv.errors import InvalidArgumentError
@@ -48,6 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes (default: none)")
     p.add_argument("--max-waiting", type=int_range(1), default=256,
                    help="requests waiting at most; past it 503 with Retry-After (default 256)")
+    add_max_request_bytes(p)
     p.add_argument("--shutdown", choices=("drain", "abort"), default="drain",
                    help="on SIGTERM: let running requests finish, or abort them (default drain)")
     p.add_argument("--drain-timeout", type=finite_float(0.0), default=30.0,
@@ -88,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(
         model_name=_model_name(args, source), host=args.host, port=args.port, api_key=args.api_key,
         max_waiting=args.max_waiting, shutdown=args.shutdown, drain_timeout=args.drain_timeout,
+        max_request_bytes=args.max_request_bytes,
         kv_events=args.kv_events, kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic,
     )
     if args.num_blocks is not None and args.kv_cache_memory is not None:

@@ -300,9 +300,9 @@ def paged_attention(
     for bucket, k_slots in zip(layout.buckets, slots):
         q = query if bucket.q_rows is None else query.index_select(0, bucket.q_rows)  # [B * Q, Hq, D]
         kv = storage.gather(layer, k_slots)  # [2 Hkv, B * K, D]
-        if bucket.q == 1 or manual:
+        if manual or (bucket.q == 1 and bucket.num > 1):  # batched decodes: a padded key mask
             out = _attend_manual(q, kv, bucket, scale, sinks, softcap)
-        else:
+        else:  # prefill buckets, and one decode (which sees every key it gathered: no mask)
             out = _attend_sdpa(q, kv, bucket, scale)
         results.append(out if bucket.out_rows is None else out.index_select(0, bucket.out_rows))  # [n, Hq, D]
     if layout.in_order:
@@ -357,14 +357,15 @@ def _attend_sdpa(q: torch.Tensor, kv: torch.Tensor, bucket: Bucket, scale: float
     num, q_len, k_len = bucket.num, bucket.q, bucket.k
     num_heads, head_size = q.shape[1], q.shape[2]
     num_kv = kv.shape[0] // 2
+    lone = num == 1 and q_len == 1  # one decode query: every gathered key is visible
     kv = kv.to(q.dtype).view(2, num_kv, num, k_len, head_size).transpose(1, 2)  # [2, B, Hkv, K, D]
     q4 = q.view(num, q_len, num_heads, head_size).transpose(1, 2)  # [B, Hq, Q, D]
     out = F.scaled_dot_product_attention(
         q4,
         kv[0],
         kv[1],
-        attn_mask=None if bucket.causal else bucket.bias().to(q.dtype),
-        is_causal=bucket.causal,
+        attn_mask=None if bucket.causal or lone else bucket.bias().to(q.dtype),
+        is_causal=bucket.causal and not lone,
         scale=scale,
         enable_gqa=num_heads != num_kv,
     )  # [B, Hq, Q, D]

@@ -36,6 +36,7 @@ from hybridkv import __version__
 from hybridkv.errors import HybridKVError
 from hybridkv.router.replica import Replica
 from hybridkv.router.router import Router
+from hybridkv.server.body_limit import BodyLimit, Offload, loads_json
 from hybridkv.server.errors import error_body, to_response
 
 __all__ = ["create_router_app"]
@@ -83,15 +84,18 @@ class _Metrics:
 
 def create_router_app(router: Router) -> FastAPI:
     metrics = _Metrics(router)
+    offload = Offload()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.start()
         yield
         await router.stop()
+        offload.close()
 
     app = FastAPI(title="hybridkv router", version=__version__, lifespan=lifespan)
     app.state.router = router
+    app.add_middleware(BodyLimit, max_bytes=router.config.max_request_bytes)  # 413 before parsing
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -104,13 +108,11 @@ def create_router_app(router: Router) -> FastAPI:
 
     async def proxy(request: Request, path: str, chat: bool) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            return _error(400, "malformed JSON body", "invalid_request_error")
-        except RecursionError:  # nested deeper than the parser's stack
-            return _error(400, "malformed JSON body: nested too deeply", "invalid_request_error")
-        token_ids = router.prompt_ids(body, chat)
+        try:  # parsed and tokenized on a worker thread: a large body never stalls the loop
+            body = await offload.run(loads_json, raw)
+        except ValueError as exc:
+            return _error(400, str(exc), "invalid_request_error")
+        token_ids = await offload.run(router.prompt_ids, body, chat)
         stream = isinstance(body, dict) and body.get("stream") is True
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         tried: set[str] = set()

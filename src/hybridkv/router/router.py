@@ -36,10 +36,16 @@ from hybridkv.errors import InvalidArgumentError, InvalidConfigError, ServiceUna
 from hybridkv.router.index import Prompt
 from hybridkv.router.policy import PolicyName, make_policy
 from hybridkv.router.replica import Replica, ReplicaSpec
+from hybridkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, check_max_request_bytes
 
 __all__ = ["Router", "RouterConfig"]
 
 log = logging.getLogger("hybridkv.router")
+
+
+#: a text prompt longer than this is routed by load alone, untokenized (far beyond any context a
+#: replica serves; tokenizing megabytes would cost the router seconds of a worker thread)
+MAX_ROUTED_CHARS = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +60,11 @@ class RouterConfig:
     #: benchmarks: also ask the chosen replica's manager (``/kv_cache/peek``) at each decision
     #: and report it (``x-hybridkv-resident-hit``), to tell index error from later eviction
     shadow_peek: bool = False
+    #: a request body larger than this is refused with 413 before it is parsed (``--max-request-bytes``)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
+        check_max_request_bytes(self.max_request_bytes)
         for name in ("health_interval", "probe_timeout", "events_timeout", "request_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
@@ -197,12 +206,14 @@ class Router:
                 if self.tokenizer is None:
                     return None
                 prompt: Any = chat_messages(ChatCompletionRequest(**body))
+                if sum(len(m["content"]) for m in prompt) > MAX_ROUTED_CHARS:
+                    return None
             else:
                 prompts = completion_prompt_list(CompletionRequest(**body))
                 if len(prompts) != 1:
                     return None
                 prompt = prompts[0]
-                if isinstance(prompt, str) and self.tokenizer is None:
+                if isinstance(prompt, str) and (self.tokenizer is None or len(prompt) > MAX_ROUTED_CHARS):
                     return None
             ids = encode_prompt(self.tokenizer, prompt, 0)
             if not all(type(t) is int and 0 <= t < 1 << 63 for t in ids):

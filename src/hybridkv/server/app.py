@@ -29,13 +29,15 @@ import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
+from pydantic import BaseModel, ValidationError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridkv import __version__
-from hybridkv.errors import HybridKVError
+from hybridkv.errors import HybridKVError, InvalidArgumentError
 from hybridkv.server.async_llm import AsyncLLM
+from hybridkv.server.body_limit import BodyLimit, Offload, loads_json
 from hybridkv.server.config import ServerConfig
 from hybridkv.server.errors import error_body, to_response
 from hybridkv.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -60,6 +62,22 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     where = ".".join(loc) or "body"
     more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
     return f"{where}: {first.get('msg', 'invalid value')}{more}", param
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """The request body as ``model``, as FastAPI would parse it (errors: RequestValidationError
+    with FastAPI's ``("body", ...)`` locations; InvalidArgumentError for malformed JSON). A worker
+    thread's job: a large body is never parsed on the event loop."""
+    if not raw.strip():
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    try:
+        obj = loads_json(raw)
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc)) from None
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
 def _error_json(exc: BaseException) -> JSONResponse:
@@ -87,13 +105,15 @@ async def _until_done_or_gone(request: Request, coro) -> Any:
 
 def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> FastAPI:
     """The app serving ``front``'s model as ``config.model_name`` (see the module docstring)."""
-    serving = OpenAIServing(front, config)
+    offload = Offload()
+    serving = OpenAIServing(front, config, offload)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         front.start()
         yield
         app.state.final_blocks = await front.shutdown()
+        offload.close()
         free, usable = app.state.final_blocks
         log.info("engine stopped: %d of %d blocks free", free, usable)
 
@@ -103,6 +123,7 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
     app.state.config = config
     app.state.metrics = metrics
     app.state.final_blocks = None
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)  # 413 before anything parses a body
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -143,17 +164,19 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
         return StreamingResponse(result, media_type="text/event-stream", headers=_SSE_HEADERS)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await offload.run(parse_body, CompletionRequest, await request.body())
         return await _generate(request, serving.completions(body))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await offload.run(parse_body, ChatCompletionRequest, await request.body())
         return await _generate(request, serving.chat(body))
 
     @app.post("/kv_cache/peek")
     async def kv_cache_peek(request: Request) -> Response:
         try:
-            body = await request.json()
+            body = await offload.run(loads_json, await request.body())
         except ValueError:
             return JSONResponse(error_body("malformed JSON body", "invalid_request_error"), status_code=400)
         return JSONResponse(await serving.peek(body))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridkv.errors import InvalidConfigError
+from hybridkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 
 __all__ = ["ServerConfig", "SHUTDOWN_MODES"]
 
@@ -35,13 +36,15 @@ class ServerConfig:
     kv_events: str | None = None  # ZMQ endpoint to publish KV events on, e.g. tcp://127.0.0.1:5557
     kv_events_replay: str | None = None  # ZMQ ROUTER endpoint answering replay requests
     kv_events_topic: str = ""
+    #: a request body larger than this is refused with 413 before it is parsed (``--max-request-bytes``)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise InvalidConfigError(f"model_name must be a non-empty str, got {self.model_name!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise InvalidConfigError(f"port must be an int in [0, 65535], got {self.port!r}")
-        for name in ("max_waiting", "max_prompts_per_request", "retry_after"):
+        for name in ("max_waiting", "max_prompts_per_request", "retry_after", "max_request_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidConfigError(f"{name} must be an int >= 1, got {value!r}")

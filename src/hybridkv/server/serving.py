@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator
 
 from pydantic import ValidationError
 
-from hybridkv.errors import EngineFailedError, InvalidArgumentError, ModelNotFoundError
+from hybridkv.errors import EngineFailedError, InvalidArgumentError, ModelNotFoundError, PromptTooLongError
 from hybridkv.scheduler.interface import SamplingParams, check_context
 from hybridkv.server.async_llm import AsyncLLM, Chunk, Submission, TokenLogprob
 from hybridkv.server.config import ServerConfig
@@ -40,7 +40,8 @@ from hybridkv.server.protocol import (
     completion_prompt_list,
     unsupported,
 )
-from hybridkv.tokenizer.prompts import encode_prompt
+from hybridkv.server.body_limit import Offload
+from hybridkv.tokenizer.prompts import encode_prompt, min_tokens
 
 __all__ = ["OpenAIServing", "sse"]
 
@@ -59,9 +60,11 @@ def _finite(x: float) -> float:
 class OpenAIServing:
     """The two generation endpoints and ``/v1/models`` (see the module docstring)."""
 
-    def __init__(self, front: AsyncLLM, config: ServerConfig) -> None:
+    def __init__(self, front: AsyncLLM, config: ServerConfig, offload: Offload | None = None) -> None:
         self.front = front
         self.config = config
+        #: where tokenization runs: worker threads, never the event loop
+        self.offload = offload if offload is not None else Offload()
         self.llm = front.llm
         self.max_model_len = front.engine.max_model_len
         self.created = int(time.time())
@@ -126,7 +129,23 @@ class OpenAIServing:
             stop=stop,
         ).with_eos(self.llm.eos_token_ids)
 
+    def _check_text_length(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing, text that cannot fit the context whatever its tokens
+        (:func:`~hybridkv.tokenizer.prompts.min_tokens`): a 20 MB prompt costs nothing."""
+        at_least = min_tokens(self.llm.tokenizer, num_chars)
+        if at_least >= self.max_model_len:
+            exc = PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; a prompt of "
+                f"{num_chars:,} characters is at least {at_least:,} tokens"
+            )
+            exc.param = param  # OpenAI names the field of an over-long input
+            raise exc
+
     def _encode(self, prompt: Any, param: str) -> list[int]:
+        if isinstance(prompt, str):
+            self._check_text_length(len(prompt), param)
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            self._check_text_length(sum(len(m.get("content") or "") for m in prompt if isinstance(m, dict)), param)
         try:
             return encode_prompt(self.llm.tokenizer, prompt, self.llm.model.vocab_size)
         except InvalidArgumentError as exc:
@@ -149,9 +168,9 @@ class OpenAIServing:
             raise InvalidArgumentError('give "prompt" (text or token ids) or "messages"', param="prompt")
         try:
             if "messages" in body:
-                ids = self.chat_prompt(ChatCompletionRequest(messages=body["messages"]))
+                ids = await self.offload.run(self.chat_prompt, ChatCompletionRequest(messages=body["messages"]))
             else:
-                [ids] = self.completion_prompts(CompletionRequest(prompt=body["prompt"]))
+                [ids] = await self.offload.run(self.completion_prompts, CompletionRequest(prompt=body["prompt"]))
         except ValidationError as exc:
             raise InvalidArgumentError(f"bad prompt: {exc.errors()[0].get('msg', 'invalid')}", param="prompt") from None
         except ValueError as exc:  # several prompts
@@ -177,7 +196,7 @@ class OpenAIServing:
         self._prepare(req)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise InvalidArgumentError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
-        prompts = self.completion_prompts(req)
+        prompts = await self.offload.run(self.completion_prompts, req)  # tokenized off the event loop
         params = [self._sampling(req, len(p), 16) for p in prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
         sub = await self.front.submit(prompts, params, logprobs=req.logprobs, request_id=rid)
@@ -226,7 +245,7 @@ class OpenAIServing:
             )
         if req.top_logprobs and not req.logprobs:
             raise InvalidArgumentError("top_logprobs needs logprobs=true", param="top_logprobs")
-        prompt = self.chat_prompt(req)
+        prompt = await self.offload.run(self.chat_prompt, req)  # rendered and tokenized off the event loop
         params = self._sampling(req, len(prompt), None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         sub = await self.front.submit([prompt], [params], logprobs=(req.top_logprobs or 0) if req.logprobs else None,

@@ -24,6 +24,7 @@ class ByteTokenizer:
     chat_template = None
     special_token_ids: frozenset[int] = frozenset()
     byte_fallback_ids: frozenset[int] = frozenset()  # bytes are the vocabulary itself; decode is per-char lossy
+    max_token_chars = 1  # a character is one or more tokens (its UTF-8 bytes)
 
     def __init__(self, vocab_size: int = BYTES):
         if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < BYTES:

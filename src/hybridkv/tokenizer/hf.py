@@ -24,6 +24,8 @@ from hybridkv.tokenizer.base import check_ids
 from hybridkv.tokenizer.chat import render_chat_template
 
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+#: texts of at least this many characters are encoded with the GIL released
+RELEASE_GIL_CHARS = 1 << 16
 
 
 class HFTokenizer:
@@ -49,6 +51,7 @@ class HFTokenizer:
         self.eos_token_ids = tuple(dict.fromkeys([*([eos] if eos is not None else []), *extra_eos_ids]))
         self.byte_fallback_ids = self._byte_fallback_ids()
         self._clean_up = clean_up_tokenization_spaces and type(backend.model).__name__ != "BPE"
+        self._max_token_chars: int | None = None
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
@@ -60,9 +63,22 @@ class HFTokenizer:
         return frozenset(i for i in ids if i is not None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. A long text goes through ``encode_batch``, which releases the
+        GIL while it works (``encode`` holds it: a server's other threads would stall)."""
         if not isinstance(text, str):
             raise InvalidArgumentError(f"text to encode must be a str, got {type(text).__name__}")
+        if len(text) >= RELEASE_GIL_CHARS:
+            return self.backend.encode_batch([text], add_special_tokens=bool(add_special_tokens))[0].ids
         return self.backend.encode(text, add_special_tokens=bool(add_special_tokens)).ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token's text has (vocabulary and added tokens; made once):
+        a text of ``n`` characters is at least ``n / (2 * max_token_chars)`` tokens
+        (:func:`~hybridkv.tokenizer.prompts.min_tokens`)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_token_chars
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self.backend.decode(check_ids(ids, self.vocab_size), skip_special_tokens=bool(skip_special_tokens))

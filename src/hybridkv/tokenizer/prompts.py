@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence, Union
 
 from hybridkv.errors import InvalidArgumentError, TokenizerError
 
-__all__ = ["Prompt", "checkpoint_tokenizer", "encode_prompt"]
+__all__ = ["Prompt", "checkpoint_tokenizer", "encode_prompt", "min_tokens"]
 
 #: text, chat messages, or token ids
 Prompt = Union[str, Sequence[Mapping[str, Any]], Sequence[int]]
@@ -71,3 +71,14 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, vocab_size: int) -> list[int]:
     if not ids:
         raise InvalidArgumentError("the chat template rendered an empty prompt")
     return ids
+
+
+def min_tokens(tokenizer: Any, num_chars: int) -> int:
+    """A lower bound, without tokenizing, on the tokens of a text of ``num_chars`` characters:
+    ``num_chars // (2 * max_token_chars)`` (the factor 2 covers normalizers that merge
+    characters); 0 when the tokenizer does not say how long its tokens are. A server refuses
+    a prompt by it before paying for the tokenization of megabytes."""
+    longest = getattr(tokenizer, "max_token_chars", None)
+    if not isinstance(longest, int) or longest < 1:
+        return 0
+    return num_chars // (2 * longest)

@@ -31,6 +31,7 @@ from hybridkv.core.specs import KVCacheSpec
 from hybridkv.engine.attention import AttentionMetadata, AttentionType
 from hybridkv.engine.kv_storage import torch_dtype
 from hybridkv.engine.models.linear import Linear, PackedWeight
+from hybridkv.engine.models.norms import RMSNorm
 from hybridkv.engine.models.rope import RotaryEmbedding
 from hybridkv.engine.models.weights import (
     checkpoint_tensors,
@@ -67,25 +68,6 @@ def activation(name: str):
     if name == "relu":
         return nn.functional.relu
     raise InvalidConfigError(f"unsupported activation {name!r}")
-
-
-class RMSNorm(nn.Module):
-    """``x / rms(x) * w`` in fp32; ``unit_offset`` (Gemma) uses ``(1 + w)``."""
-
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.unit_offset = unit_offset
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and not self.unit_offset:  # one op; same values as below in fp32
-            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):

@@ -30,6 +30,7 @@ import torch
 from hybridkv.engine.attention import AttentionMetadata, AttentionType
 from hybridkv.engine.models.base import CausalLM, DecoderLayer, DecoderStack, RMSNorm, Rope, require
 from hybridkv.engine.models.llama import GatedMLP, LlamaAttention
+from hybridkv.engine.models.norms import rms_norm_heads
 from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half
 from hybridkv.errors import InvalidConfigError
 
@@ -43,14 +44,16 @@ class Gemma3Attention(LlamaAttention):
         self.scale = float(model.config["query_pre_attn_scalar"]) ** -0.5
         self.q_norm = RMSNorm(model.head_dim, model.eps, unit_offset=True)
         self.k_norm = RMSNorm(model.head_dim, model.eps, unit_offset=True)
+        self._qk_norm: dict = {}  # q_norm's and k_norm's multipliers stacked per head (rms_norm_heads)
 
     def qkv(
         self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = self.project(x)
-        q, k = self.q_norm(q), self.k_norm(k)
+        qk, v = self.project_qk_v(x)  # [T, Hq + Hkv, D], [T, Hkv, D]
+        qk = rms_norm_heads(qk, ((self.q_norm, self.num_heads), (self.k_norm, self.num_kv_heads)), self._qk_norm)
         cos, sin = rope[self.rope_name]
-        return apply_rotate_half(q, cos, sin), apply_rotate_half(k, cos, sin), v
+        q, k = self.split_qk(apply_rotate_half(qk, cos, sin))
+        return q, k, v
 
 
 class Gemma3DecoderLayer(DecoderLayer):
@@ -127,6 +130,6 @@ class Gemma3ForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         cap = self.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+        if cap is not None:  # tanh(logits / cap) * cap, in place on the fresh logits (one pass less over the vocab)
+            logits = logits.div_(cap).tanh_().mul_(cap)
         return logits

@@ -48,6 +48,21 @@ INT4_GROUP_SIZES = (32, 64, 128)
 KERNEL_ROWS = 32
 
 
+def _rows_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [.., K] -> [M, K] in the kernels' compute ``dtype`` (no op where it already is)."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    return x2 if x2.dtype == dtype else x2.to(dtype)
+
+
+def _rows_out(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """out [M, N] -> [.., N] in ``x``'s dtype, ``bias`` added."""
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+
 class Int8Weight:
     """``[N, K]`` as int8 ``q`` and per-row ``scales`` [N] (in the activation dtype)."""
 
@@ -62,15 +77,12 @@ class Int8Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [.., K] -> [.., N] (computed in the scales' dtype, returned in x's)."""
-        x2 = x.reshape(-1, x.shape[-1]).to(self.scales.dtype)  # [M, K]
+        x2 = _rows_in(x, self.scales.dtype)  # [M, K]
         if x2.shape[0] > KERNEL_ROWS:
             out = torch.nn.functional.linear(x2, self.dense())
         else:
             out = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales)  # [M, N]
-        out = out.to(x.dtype)
-        if bias is not None:
-            out = out + bias
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return _rows_out(out, x, bias)
 
     def dense(self) -> torch.Tensor:
         """[N, K] in the compute dtype."""
@@ -135,16 +147,14 @@ class Int4Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [.., K] -> [.., N] (computed in the scales' dtype, returned in x's)."""
-        x2 = x.reshape(-1, x.shape[-1]).to(self.scales_zeros.dtype)  # [M, K]
+        x2 = _rows_in(x, self.scales_zeros.dtype)  # [M, K]
         if x2.shape[0] > KERNEL_ROWS:
             out = torch.nn.functional.linear(x2, self.dense())
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self._mm_scales_zeros)
-            out = out[:, : self.shape[0]]
-        out = out.to(x.dtype)
-        if bias is not None:
-            out = out + bias
-        return out.view(*x.shape[:-1], out.shape[-1])
+            if out.shape[1] != self.shape[0]:  # rows padded to a multiple of 16
+                out = out[:, : self.shape[0]]
+        return _rows_out(out, x, bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows ``ids`` [T] -> [T, K] (an embedding lookup), in the compute dtype."""

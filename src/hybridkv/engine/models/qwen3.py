@@ -13,6 +13,7 @@ import torch
 from hybridkv.engine.attention import AttentionMetadata
 from hybridkv.engine.models.base import RMSNorm, Rope
 from hybridkv.engine.models.llama import LlamaAttention, LlamaForCausalLM
+from hybridkv.engine.models.norms import rms_norm_heads
 from hybridkv.engine.models.rope import apply_rotate_half
 
 __all__ = ["Qwen3ForCausalLM"]
@@ -25,14 +26,16 @@ class Qwen3Attention(LlamaAttention):
         super().__init__(model, layer_idx, model.attention_type(layer_idx), qkv_bias=bias, o_bias=bias)
         self.q_norm = RMSNorm(model.head_dim, model.eps)
         self.k_norm = RMSNorm(model.head_dim, model.eps)
+        self._qk_norm: dict = {}  # q_norm's and k_norm's multipliers stacked per head (rms_norm_heads)
 
     def qkv(
         self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = self.project(x)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
-        q, k = self.q_norm(q), self.k_norm(k)
+        qk, v = self.project_qk_v(x)  # [T, Hq + Hkv, D], [T, Hkv, D]
+        qk = rms_norm_heads(qk, ((self.q_norm, self.num_heads), (self.k_norm, self.num_kv_heads)), self._qk_norm)
         cos, sin = rope[self.rope_name]
-        return apply_rotate_half(q, cos, sin), apply_rotate_half(k, cos, sin), v
+        q, k = self.split_qk(apply_rotate_half(qk, cos, sin))
+        return q, k, v
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

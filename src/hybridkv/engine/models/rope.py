@@ -128,9 +128,11 @@ class RotaryEmbedding:
         return positions.float().unsqueeze(-1) * inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin), each [T, D/2] scaled by ``attention_scaling``."""
+        """positions [T] -> (cos, sin), each [T, 1, D] scaled by ``attention_scaling``, laid out for
+        :func:`apply_rotate_half`: ``cos = [c, c]``, ``sin = [-s, s]`` (c, s [T, D/2])."""
         f = self.freqs(positions)
-        return (f.cos() * self.attention_scaling).to(dtype), (f.sin() * self.attention_scaling).to(dtype)
+        c, s = (f.cos() * self.attention_scaling).to(dtype), (f.sin() * self.attention_scaling).to(dtype)
+        return torch.cat((c, c), dim=-1).unsqueeze(1), torch.cat((-s, s), dim=-1).unsqueeze(1)
 
     def cis(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [T] -> complex64 [T, D/2]: ``polar(1, angle) * attention_scaling`` (HF Llama 4)."""
@@ -143,11 +145,15 @@ class RotaryEmbedding:
 
 
 def apply_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D], cos / sin [T, D/2]: pairs (i, i + D/2) rotated by angle i."""
-    c = cos.unsqueeze(1)  # [T, 1, D/2]
-    s = sin.unsqueeze(1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    """x [T, H, D], cos / sin [T, 1, D] from :meth:`RotaryEmbedding.cos_sin`: pairs (i, i + D/2)
+    rotated by angle i, HF's ``x * cos + rotate_half(x) * sin`` in four ops.
+
+    ``roll(x, D/2)`` is ``[x2, x1]`` and ``sin`` carries the sign, so the first half is
+    ``x1 * c + x2 * (-s)``, which is ``x1 * c - x2 * s`` bit for bit, as HF computes it
+    (``rotate_half(x) = [-x2, x1]``).
+    """
+    out = x * cos
+    return out.add_(x.roll(x.shape[-1] // 2, dims=-1) * sin)
 
 
 def apply_interleaved(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
