@@ -10,9 +10,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_model_dir(path: Path) -> str:
-    sys.path.insert(0, str(ROOT / "tests" / "engine"))
-    from _hf_tiny import build_tiny
-    from _tiny_tokenizer import write_tokenizer
+    if str(ROOT) not in sys.path:  # the test suite's tiny-model recipes (tests/support)
+        sys.path.insert(0, str(ROOT))
+    from tests.support.hf_tiny import build_tiny
+    from tests.support.tiny_tokenizer import write_tokenizer
 
     build_tiny("gemma3", path)
     write_tokenizer(path)

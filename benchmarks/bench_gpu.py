@@ -560,7 +560,7 @@ def prefill_one(ctx: Ctx, path: Path, v: Variant, prompt: list[list[int]], case:
 
 
 def parity_models() -> dict[str, Callable[[], tuple[Any, type]]]:
-    """Tiny fp32 recipes (as tests/engine/_hf_tiny.py and _qwen3_next_tiny.py)."""
+    """Tiny fp32 recipes (as tests/support/hf_tiny.py and qwen3_next_tiny.py)."""
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=512)
     return {

@@ -80,16 +80,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +96,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _tiny_model import tiny_model_dir  # noqa: E402
 
+sys.path.insert(0, str(ROOT))  # tests/support: the process harness and port helper the tests use
+from tests.support.processes import HybridkvProcess, free_port  # noqa: E402
+
 POLICIES = ("round-robin", "least-loaded", "full-only", "hybrid", "oracle")
 READY_TIMEOUT = 300.0
 STOP_TIMEOUT = 30.0
@@ -108,48 +107,10 @@ WORDS = ("alpha beta gamma delta omega kappa sigma theta lambda zeta river stone
 
 
 # --------------------------------------------------------------------------- processes
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-class Proc:
-    """``python -m hybridkv COMMAND ...``; ``base_url`` from its ``listening on`` line."""
-
-    def __init__(self, command: str, args: list[str], threads: int) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, "-m", "hybridkv", command, *args], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: list[str] = []
-        self.base_url = ""
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:  # keeps draining stderr so the process never blocks on it
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            if "listening on " in line and not self.base_url:
-                self.base_url = line.split("listening on ", 1)[1].split()[0]
-                self._ready.set()
-        self._ready.set()
-
-    def wait_ready(self) -> None:
-        if not self._ready.wait(READY_TIMEOUT) or not self.base_url:
-            self.stop()
-            raise SystemExit(f"not ready in {READY_TIMEOUT:.0f} s:\n{''.join(self.lines)[-3000:]}")
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(10)
+def start_process(command: str, args: list[str], threads: int) -> HybridkvProcess:
+    """``python -m hybridkv COMMAND ...``, not waited for (the test suite's harness)."""
+    return HybridkvProcess(args, command=command, wait=False, threads=threads, error=SystemExit,
+                           ready_timeout=READY_TIMEOUT, stop_timeout=STOP_TIMEOUT)
 
 
 @dataclass(frozen=True)
@@ -165,9 +126,9 @@ class Setup:
     decompose: bool = False
     queued_prefix: str = "refresh"
 
-    def start_replica(self) -> tuple[Proc, str]:
+    def start_replica(self) -> tuple[HybridkvProcess, str]:
         http, pub, replay = free_port(), free_port(), free_port()  # known before it binds: the router starts alongside
-        p = Proc("serve", [self.model, "--port", str(http), "--served-model-name", "bench", "--block-size",
+        p = start_process("serve", [self.model, "--port", str(http), "--served-model-name", "bench", "--block-size",
                            str(self.block_size), "--num-blocks", str(self.num_blocks), "--max-num-seqs",
                            str(self.max_num_seqs), "--max-model-len", str(self.max_model_len),
                            "--kv-events", f"tcp://127.0.0.1:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
@@ -184,12 +145,12 @@ class Cluster:
     counts all of them up."""
 
     def __init__(self, setup: Setup, policy: str) -> None:
-        self.procs: list[Proc] = []
+        self.procs: list[HybridkvProcess] = []
         try:
             started = [setup.start_replica() for _ in range(setup.replicas)]
             self.procs += [p for p, _ in started]
             specs = [spec for _, spec in started]
-            self.router = Proc("route", ["--model", setup.model, "--port", "0", "--policy", policy,
+            self.router = start_process("route", ["--model", setup.model, "--port", "0", "--policy", policy,
                                          "--max-imbalance", str(setup.max_imbalance), "--health-interval", "0.25",
                                          "--log-level", "info",
                                          *(["--shadow-peek"] if setup.decompose and policy in ("hybrid", "full-only")

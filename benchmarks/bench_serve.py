@@ -41,12 +41,9 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,9 +54,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _tiny_model import tiny_model_dir  # noqa: E402
 
+sys.path.insert(0, str(ROOT))  # tests/support: the process harness the tests use
+from tests.support.processes import HybridkvProcess  # noqa: E402
+
 READY_TIMEOUT = 300.0  # model load included
 STOP_TIMEOUT = 60.0
-READY_PREFIX = "hybridkv serve: listening on "
 
 
 @dataclass
@@ -94,42 +93,11 @@ class Setup:
 
 
 # --------------------------------------------------------------------------- server lane
-class Server:
-    """``python -m hybridkv serve`` in a subprocess; ``base_url`` once its ready line is out."""
-
-    def __init__(self, setup: Setup, threads: int):
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hybridkv", "serve", setup.model, "--port", "0", "--served-model-name", "bench",
-             *setup.serve_args()],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        self.lines: list[str] = []
-        self.base_url = ""
-        ready = threading.Event()
-
-        def read() -> None:  # keeps draining stderr so the server never blocks on it
-            for line in self.proc.stderr:
-                self.lines.append(line)
-                if line.startswith(READY_PREFIX):
-                    self.base_url = line[len(READY_PREFIX):].split()[0]
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(READY_TIMEOUT) or not self.base_url:
-            self.stop()
-            raise SystemExit(f"server not ready in {READY_TIMEOUT:.0f} s:\n{''.join(self.lines)[-3000:]}")
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(10)
+def start_server(setup: Setup, threads: int) -> HybridkvProcess:
+    """``python -m hybridkv serve`` in a subprocess, ready (the test suite's harness)."""
+    return HybridkvProcess([setup.model, "--port", "0", "--served-model-name", "bench", *setup.serve_args()],
+                           command="serve", threads=threads, error=SystemExit, ready_timeout=READY_TIMEOUT,
+                           stop_timeout=STOP_TIMEOUT)
 
 
 async def _stream_one(client, prompt: list[int], max_tokens: int, run: LaneRun) -> None:
@@ -304,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             return [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(n)]
 
         t0 = time.perf_counter()
-        server = Server(setup, threads)
+        server = start_server(setup, threads)
         print(f"server ready at {server.base_url} in {time.perf_counter() - t0:.1f} s")
         try:
             sent = 0

@@ -18,7 +18,6 @@ line each:
 
 import importlib.util
 import random
-import socket
 import sys
 import time
 from pathlib import Path
@@ -28,11 +27,13 @@ import zmq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # tests/support: the port helper the tests use
 
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup  # noqa: E402
 from hybridkv.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from hybridkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 from hybridkv.server import kv_events as ours  # noqa: E402
+from tests.support.processes import free_port  # noqa: E402
 
 t0 = time.perf_counter()
 import vllm  # noqa: E402
@@ -139,12 +140,6 @@ def check_vllm_to_ours(n: int = 2000) -> None:
         assert ours.encode_batch(got) == data
     print(f"2. vLLM -> us: {n} random vLLM batches (all fields, int and bytes hashes) decoded by ours, fields equal, "
           f"our re-encoding byte-identical")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_live_ours_to_vllm() -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from hybridkv.router.index import Prompt, ReplicaIndex  # noqa: E402
-from hybridkv.server.kv_events import BlockStored  # noqa: E402
+from hybridkv.protocol.kv_events import BlockStored  # noqa: E402
 
 BLOCK = 16
 SYSTEM_TOKENS = 1024

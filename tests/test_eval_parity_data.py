@@ -195,6 +195,7 @@ def test_precisions_argument():
         ep.parse_args(["--precisions", "fp16"])
 
 
+@pytest.mark.slow
 def test_quick_run_on_gemma_layouts_agree(tmp_path, capsys):
     """Smoke test of the whole eval (benchmarks/eval_parity.py --quick, cut to two short
     items and three precisions): Gemma 3 270M through the engine in both layouts at each

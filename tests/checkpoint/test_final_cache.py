@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-from _gguf_tiny import write_like_llama_cpp
-from _hf_tiny import build_tiny
+from tests.support.gguf_tiny import write_like_llama_cpp
+from tests.support.hf_tiny import build_tiny
 
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.models import load_model

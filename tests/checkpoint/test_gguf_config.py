@@ -6,7 +6,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
-from _gguf_tiny import write_gguf
+from tests.support.gguf_tiny import write_gguf
 
 from hybridkv.checkpoint import SUPPORTED_GGUF_ARCHITECTURES, GGUFFile, hf_config_from_gguf, read_model_config
 from hybridkv.errors import GGUFFormatError, UnknownArchitectureError

@@ -10,7 +10,7 @@ import struct
 import gguf
 import numpy as np
 import pytest
-from _gguf_tiny import write_gguf
+from tests.support.gguf_tiny import write_gguf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

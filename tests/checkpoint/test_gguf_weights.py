@@ -12,9 +12,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from _engine_driver import Req, run_engine
-from _gguf_tiny import QUANT_CYCLE, _permute, write_gguf, write_like_llama_cpp
-from _hf_tiny import build_tiny, hf_generate
+from tests.support.engine_driver import Req, run_engine
+from tests.support.gguf_tiny import QUANT_CYCLE, _permute, write_gguf, write_like_llama_cpp
+from tests.support.hf_tiny import build_tiny, hf_generate
 
 from hybridkv.checkpoint import GGUFFile, ModelSource, resolve_model
 from hybridkv.engine.engine import EngineConfig, LLMEngine

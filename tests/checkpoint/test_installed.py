@@ -9,7 +9,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from _gguf_tiny import write_gguf
+from tests.support.gguf_tiny import write_gguf
 
 from hybridkv.checkpoint import INSTALLED_MODELS, ModelSource, installed, looks_like_gguf, resolve_model
 from hybridkv.cli import main

@@ -89,7 +89,7 @@ def bad_files(tmp_path_factory, tiny_llama):
     (deep / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
     shutil.copy(tiny_llama / "model.safetensors", deep)  # only the config is wrong
     # ---- text: a model with a tokenizer, one whose chat template raises, prompts files
-    from _tiny_tokenizer import write_tokenizer
+    from tests.support.tiny_tokenizer import write_tokenizer
 
     for name, template in (("with-tok", None), ("raising-template", "{{ raise_exception('no chats here') }}")):
         shutil.copytree(tiny_llama, t / name)
@@ -365,6 +365,7 @@ def test_random_plan_options_are_a_plan_or_one_line(options, model, capsys):
     _check_outcome(code, *capsys.readouterr())
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(picks=st.dictionaries(st.sampled_from(sorted(_SIM_OPTIONS)), st.integers(0, 9), max_size=4),
        model=st.sampled_from(["mistral-7b", "llama4-scout", "gemma-3-27b"]))

@@ -62,13 +62,13 @@ def test_simulate_help_documents_the_trace_format(capsys):
 def test_generate_engine_options_reach_engine_config(tiny_llama, monkeypatch, capsys):
     pytest.importorskip("torch")
     import hybridkv.engine.llm as llm_module
-    from hybridkv.cli import generate
+    from hybridkv.cli import engine_args
     from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from hybridkv.engine.engine import EngineConfig
 
     # the defaults --help states are the engine's
     assert EngineConfig().max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
-    assert EngineConfig().dtype == generate.DTYPES[0]
+    assert EngineConfig().dtype == engine_args.DTYPES[0]
     seen = []
 
     class Captured(Exception):

@@ -2,15 +2,13 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
-from _hf_tiny import build_tiny, hf_generate  # noqa: E402
-from _tiny_tokenizer import write_tokenizer  # noqa: E402
+from tests.support.hf_tiny import build_tiny, hf_generate  # noqa: E402
+from tests.support.tiny_tokenizer import write_tokenizer  # noqa: E402
 
 from hybridkv.cli import main  # noqa: E402
 

@@ -5,6 +5,7 @@ large enough) every hit length and its null positions, every allocation, every f
 cached count and every table's length and null positions must be the same. (Under
 eviction the two may differ: a stripe is evicted whole; see benchmarks/RESULTS.md, S1.)"""
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -98,7 +99,7 @@ class StripesVsGroups(RuleBasedStateMachine):
         assert self.a.num_free_blocks == self.b.num_free_blocks == 1999
 
 
-TestStripesVsGroups = StripesVsGroups.TestCase
+TestStripesVsGroups = pytest.mark.slow(StripesVsGroups.TestCase)
 TestStripesVsGroups.settings = settings(
     max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -191,6 +191,7 @@ def test_attention_type_validation():
         AttentionType("local", 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "attn",
     [FULL, AttentionType("sliding", 16), AttentionType("chunked", 20), AttentionType("sliding", 1)],

@@ -12,8 +12,8 @@ import random
 
 import pytest
 import torch
-from _dense_attention import dense
-from _hf_tiny import hf_generate
+from tests.support.dense_attention import dense
+from tests.support.hf_tiny import hf_generate
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -119,6 +119,7 @@ def test_cascade_matches_dense(monkeypatch, kind, size):
 
 
 @needs_triton
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
 def test_engine_with_cascade_matches_hf(monkeypatch, arch, tiny_models):
     """A system prompt of 40 tokens cached by the first request, three more hit it and decode

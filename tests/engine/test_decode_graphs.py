@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from _hf_tiny import hf_generate
+from tests.support.hf_tiny import hf_generate
 
 from hybridkv.engine.decode_graphs import capture_sizes
 from hybridkv.engine.engine import EngineConfig, LLMEngine
@@ -66,6 +66,7 @@ def _prompts(n, seed=0):
 
 
 @needs_triton
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gemma3", "llama4_dense"])
 def test_padded_decode_path_matches_hf(arch, tiny_models):
     """5 requests, max_num_seqs 6 (sizes 1, 2, 4, 8): batches of 5 down to 1 run padded; greedy

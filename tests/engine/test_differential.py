@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import transformers as tf
-from _hf_tiny import _redraw
+from tests.support.hf_tiny import _redraw
 
 from hybridkv.core.specs import cdiv
 from hybridkv.engine.engine import EngineConfig, LLMEngine

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from _hf_tiny import CONFIGS, hf_generate
+from tests.support.hf_tiny import CONFIGS, hf_generate
 
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.errors import InvalidArgumentError, PoolTooSmallError, PromptTooLongError
@@ -96,7 +96,7 @@ BACKENDS = _backends()
 
 # the triton interpreter takes ~9 s a run: every family once, with prefix caching on
 CASES = [(a, c, "reference") for a in ARCHS for c in (True, False)]
-CASES += [(a, True, "triton") for a in ARCHS if "triton" in BACKENDS]
+CASES += [pytest.param(a, True, "triton", marks=pytest.mark.slow) for a in ARCHS if "triton" in BACKENDS]
 
 
 @pytest.mark.parametrize("arch,caching,backend", CASES, ids=lambda v: {True: "prefix-caching", False: "no-caching"}.get(v, v))
@@ -121,7 +121,8 @@ def test_engine_matches_hf(arch, caching, backend, refs):
 
 
 EVICTION = [(a, "reference") for a in ARCHS]
-EVICTION += [(a, "triton") for a in ("gemma3", "llama4_dense", "gpt_oss") if "triton" in BACKENDS and a in ARCHS]
+EVICTION += [pytest.param(a, "triton", marks=pytest.mark.slow)
+             for a in ("gemma3", "llama4_dense", "gpt_oss") if "triton" in BACKENDS and a in ARCHS]
 
 
 @pytest.mark.parametrize("arch,backend", EVICTION)

@@ -13,8 +13,8 @@ import random
 import shutil
 
 import pytest
-from _hf_tiny import hf_generate
-from _tiny_tokenizer import write_tokenizer
+from tests.support.hf_tiny import hf_generate
+from tests.support.tiny_tokenizer import write_tokenizer
 
 from hybridkv.engine.engine import EngineConfig
 from hybridkv.engine.llm import LLM, CompletionOutput, TextDelta

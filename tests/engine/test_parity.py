@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _engine_driver import Req, run_engine
-from _hf_tiny import CONFIGS, EXTRA_CONFIGS, hf_generate
+from tests.support.engine_driver import Req, run_engine
+from tests.support.hf_tiny import CONFIGS, EXTRA_CONFIGS, hf_generate
 
 from hybridkv.engine.attention import AttentionMetadata, AttentionType
 from hybridkv.engine.engine import EngineConfig, LLMEngine

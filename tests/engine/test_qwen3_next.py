@@ -14,8 +14,8 @@ import torch
 
 tf = pytest.importorskip("transformers")
 
-from _hf_tiny import hf_generate  # noqa: E402
-from _qwen3_next_tiny import COMMON, CONFIGS, FULL, LINEAR, build_qwen3_next, redraw  # noqa: E402
+from tests.support.hf_tiny import hf_generate  # noqa: E402
+from tests.support.qwen3_next_tiny import COMMON, CONFIGS, FULL, LINEAR, build_qwen3_next, redraw  # noqa: E402
 
 from hybridkv.engine.attention import AttentionMetadata  # noqa: E402
 from hybridkv.engine.kv_storage import PagedKVStorage  # noqa: E402

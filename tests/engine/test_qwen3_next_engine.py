@@ -18,9 +18,9 @@ import torch
 
 tf = pytest.importorskip("transformers")
 
-from _hf_tiny import hf_generate  # noqa: E402
-from _qwen3_next_tiny import build_qwen3_next  # noqa: E402
-from _tiny_tokenizer import write_tokenizer  # noqa: E402
+from tests.support.hf_tiny import hf_generate  # noqa: E402
+from tests.support.qwen3_next_tiny import build_qwen3_next  # noqa: E402
+from tests.support.tiny_tokenizer import write_tokenizer  # noqa: E402
 
 from hybridkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from hybridkv.engine.models import load_model  # noqa: E402
@@ -108,7 +108,8 @@ def _triton_runs() -> bool:
 
 #: the attention layers through the triton kernels too (the interpreter on a CPU): two scenarios
 CASES = [(n, s, "reference") for n in ("linear_last", "qwen3_5") for s in SCENARIOS]
-CASES += [("linear_last", s, "triton") for s in ("dense_chunked", "small_pool") if _triton_runs()]
+CASES += [pytest.param("linear_last", s, "triton", marks=pytest.mark.slow)
+          for s in ("dense_chunked", "small_pool") if _triton_runs()]
 
 
 @pytest.mark.parametrize("name,scenario,backend", CASES)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _engine_driver import Req, run_engine
-from _hf_tiny import hf_generate
+from tests.support.engine_driver import Req, run_engine
+from tests.support.hf_tiny import hf_generate
 
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.engine.model_runner import PagedModelRunner

@@ -21,7 +21,7 @@ DEVICE = "cuda" if torch.cuda.is_available() and triton_unavailable("cuda") is N
 if triton_unavailable(DEVICE) is not None:
     pytest.skip(triton_unavailable(DEVICE), allow_module_level=True)
 
-from _dense_attention import dense, first_key  # noqa: E402
+from tests.support.dense_attention import dense, first_key  # noqa: E402
 
 from hybridkv.engine.kernels.kv_write import write_kv  # noqa: E402
 from hybridkv.engine.kernels.paged_attention import (  # noqa: E402

@@ -109,17 +109,3 @@ def our_smollm(smollm_gguf):
     from hybridkv.engine.models import load_model
 
     return load_model(smollm_gguf)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def one_torch_thread():
-    """One torch thread, as the engine tests (the CI machine has 2 cores, often busy)."""
-    try:
-        import torch
-    except ImportError:
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

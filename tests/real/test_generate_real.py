@@ -18,16 +18,16 @@ import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
-from _hf_tiny import hf_generate  # noqa: E402
+from tests.support.hf_tiny import hf_generate  # noqa: E402
 
 from hybridkv.engine.engine import EngineConfig  # noqa: E402
 from hybridkv.engine.llm import LLM  # noqa: E402
 from hybridkv.scheduler import SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 NEW = 8
 WORDS = ("river stone lantern harbor meadow copper falcon willow orchard signal ember canyon "

@@ -16,18 +16,18 @@ Each model loads once per session (ours through a private tensor cache).
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
-from _hf_tiny import hf_generate  # noqa: E402
+from tests.support.hf_tiny import hf_generate  # noqa: E402
 
 from hybridkv.checkpoint import GGUFFile, read_model_config  # noqa: E402
 from hybridkv.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from hybridkv.scheduler import SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 NEW = 16
 #: fp32 logits of ours vs HF generate's (measured 2.7e-4, 3.7e-4, 7.6e-5 for A, B, C)

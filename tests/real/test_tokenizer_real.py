@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
 from hybridkv.tokenizer import IncrementalDetokenizer, check_vocab, load_tokenizer, tokenizer_from_gguf
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tokenizer"))
-from _texts import texts  # noqa: E402
+from tests.support.texts import texts  # noqa: E402
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 pytest.importorskip("transformers")
 
@@ -23,7 +23,7 @@ def read_metadata(path: Path) -> dict:
     try:
         from hybridkv.checkpoint.gguf_file import GGUFFile
     except ImportError:  # Part A's reader not merged yet: the tests' tiny one
-        from _gguf_metadata import read_gguf_metadata
+        from tests.support.gguf_metadata import read_gguf_metadata
 
         return read_gguf_metadata(path)
     return GGUFFile.open(path).metadata

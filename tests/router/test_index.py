@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import sys
 from math import lcm
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
 from hybridkv.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from hybridkv.router import ReplicaIndex  # noqa: E402
 from hybridkv.router.index import GroupInfo, Prompt  # noqa: E402
-from hybridkv.server.kv_events import (  # noqa: E402
+from hybridkv.protocol.kv_events import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -165,9 +164,8 @@ TestSparseOnlyIndex.settings = _SETTINGS
 def test_tiny_engine_events_index_its_hits(tmp_path, model, kinds, num_blocks):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
     import torch
-    from _hf_tiny import build_tiny
+    from tests.support.hf_tiny import build_tiny
 
     from hybridkv.engine.engine import EngineConfig, LLMEngine
     from hybridkv.scheduler import SamplingParams

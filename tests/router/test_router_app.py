@@ -300,7 +300,7 @@ def test_hybrid_breaks_hit_ties_towards_the_replica_holding_the_chain():
     it on r0 (the longest full-attention residency breaks the tie before load), where
     its next turn will hit; least-loaded alone would move it to r1."""
     from hybridkv.router.index import Prompt
-    from hybridkv.server.kv_events import BlockStored
+    from hybridkv.protocol.kv_events import BlockStored
 
     tokens = list(range(1, 22))  # 5 blocks of 4 and one token
 

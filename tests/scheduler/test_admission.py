@@ -19,7 +19,7 @@ from hybridkv.scheduler.simulator import simulate
 from hybridkv.scheduler.workloads import TraceRequest
 
 from tests.core.helpers import chunked, full, sliding, state
-from tests.scheduler.test_scheduler import run
+from tests.support.scheduler_driver import run
 
 
 def make(*specs, num_blocks=64, budget=16, max_seqs=8, max_len=128, admission="full_prompt", caching=True,

@@ -14,6 +14,7 @@ from hybridkv.errors import (
 from hybridkv.scheduler import FakeRunner, FinishReason, SamplingParams, Scheduler, SchedulerConfig, fake_token
 
 from tests.core.helpers import chunked, full, sliding
+from tests.support.scheduler_driver import run
 
 
 def make(*specs, num_blocks=64, budget=16, max_seqs=8, max_len=128):
@@ -21,22 +22,6 @@ def make(*specs, num_blocks=64, budget=16, max_seqs=8, max_len=128):
         KVCacheConfig(num_blocks, tuple(KVCacheGroup(s) for s in specs)), CacheManagerConfig(max_model_len=max_len)
     )
     return Scheduler(kv, SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len))
-
-
-def run(sched, runner=None):
-    """Run to completion; the schedule as [(step, [(id, tokens, computed)], preempted, finished)]."""
-    runner = runner or FakeRunner()
-    trace, done = [], {}
-    while sched.has_unfinished_requests():
-        out, fin = sched.step(runner)
-        sched.check_invariants()
-        trace.append(
-            (out.step, [(r.request_id, len(r.token_ids), r.num_computed_tokens) for r in out.scheduled],
-             out.preempted_request_ids, [f.request_id for f in fin])
-        )
-        done.update({f.request_id: f for f in fin})
-        assert out.step < 500, "did not finish"
-    return trace, done
 
 
 def test_chunked_prefill_then_decode():

@@ -96,7 +96,7 @@ def test_a_steps_kv_events_are_published_before_its_model_step(tiny_dir):
     from hybridkv.core.events import BlockStored
     from hybridkv.engine.llm import LLM
 
-    from tests.server.conftest import engine_config
+    from tests.support.tiny_server import engine_config
 
     llm = LLM(str(tiny_dir), engine_config(enable_kv_events=True, max_num_batched_tokens=8))
     order: list = []

@@ -6,7 +6,7 @@ import json
 
 from hybridkv.server import ServerConfig
 
-from .conftest import run_app
+from tests.support.tiny_server import run_app
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
@@ -110,7 +110,7 @@ def test_a_template_that_raises_is_a_400(tiny_dir, tmp_path):
 
     from hybridkv.engine.llm import LLM
 
-    from .conftest import engine_config
+    from tests.support.tiny_server import engine_config
 
     model = tmp_path / "m"
     shutil.copytree(tiny_dir, model)
@@ -175,7 +175,7 @@ def test_every_library_error_has_a_response():
     """Each class of hybridkv.errors maps to a status: 4xx/503 for bad input and overload,
     500 (no detail on the wire) only for invariant violations and the bare base class."""
     import hybridkv.errors as E
-    from hybridkv.server.errors import to_response
+    from hybridkv.protocol.errors import to_response
 
     for cls_name in E.__all__:
         cls = getattr(E, cls_name)

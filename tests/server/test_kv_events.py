@@ -244,8 +244,7 @@ def test_close_is_idempotent_and_publish_after_close_is_ignored():
 def test_subscriber_sees_every_stored_block_of_a_request(tmp_path, ctx):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(ROOT / "tests" / "engine"))
-    from _hf_tiny import build_tiny
+    from tests.support.hf_tiny import build_tiny
 
     from hybridkv.engine.engine import EngineConfig, LLMEngine
     from hybridkv.scheduler import SamplingParams

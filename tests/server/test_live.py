@@ -18,7 +18,9 @@ import pytest
 
 from hybridkv.scheduler.interface import SamplingParams
 
-from .conftest import wait_until
+from tests.support.processes import wait_until
+
+pytestmark = pytest.mark.live
 
 openai = pytest.importorskip("openai")
 
@@ -226,7 +228,7 @@ def test_kv_events_subscriber_sees_every_stored_block(serve, tiny_llm):
     """``--kv-events``: a ZMQ subscriber sees, in every KV cache group, BlockStored events
     whose token ids are exactly the request's full blocks, chained by parent hash."""
     zmq = pytest.importorskip("zmq")
-    from hybridkv.server.kv_events import BlockStored, decode_batch
+    from hybridkv.protocol.kv_events import BlockStored, decode_batch
 
     server = serve("--kv-events", "tcp://127.0.0.1:0")
     endpoint = server.stderr.split("KV events on ", 1)[1].split()[0].rstrip(",")

@@ -11,7 +11,11 @@ import time
 import httpx
 import pytest
 
-from .conftest import ENGINE_ARGS, ServerProcess
+from tests.support.processes import HybridkvProcess
+
+from tests.support.tiny_server import ENGINE_ARGS
+
+pytestmark = pytest.mark.live
 
 LIMIT = str(64 * 2**20)
 PROMPT_BYTES = 20 * 2**20
@@ -39,9 +43,9 @@ def test_a_20mb_prompt_never_stalls_serve_or_route(tiny_dir):
     body = b'{"prompt": "' + b"a" * PROMPT_BYTES + b'", "max_tokens": 2}'
     server = router = None
     try:
-        server = ServerProcess([str(tiny_dir), "--port", "0", "--served-model-name", "tiny", *ENGINE_ARGS,
+        server = HybridkvProcess([str(tiny_dir), "--port", "0", "--served-model-name", "tiny", *ENGINE_ARGS,
                                 "--max-request-bytes", LIMIT])
-        router = ServerProcess(["--model", str(tiny_dir), "--port", "0", "--health-interval", "0.3",
+        router = HybridkvProcess(["--model", str(tiny_dir), "--port", "0", "--health-interval", "0.3",
                                 "--max-request-bytes", LIMIT, "--replica", server.base_url], command="route")
 
         for base in (server.base_url, router.base_url):

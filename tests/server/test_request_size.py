@@ -14,9 +14,9 @@ import pytest
 
 from hybridkv.errors import InvalidConfigError
 from hybridkv.server import ServerConfig
-from hybridkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, too_large_body
+from hybridkv.protocol.limits import DEFAULT_MAX_REQUEST_BYTES, too_large_body
 
-from .conftest import run_app
+from tests.support.tiny_server import run_app
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 

@@ -8,16 +8,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 pytest.importorskip("tokenizers")
 
-from _tiny_vocab import bpe_metadata, spm_metadata  # noqa: E402
+from tests.support.tiny_vocab import bpe_metadata, spm_metadata  # noqa: E402
 
 from hybridkv.tokenizer import tokenizer_from_gguf  # noqa: E402
 

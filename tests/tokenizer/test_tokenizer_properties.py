@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _tiny_vocab import bpe_metadata
+from tests.support.tiny_vocab import bpe_metadata
 from hybridkv.tokenizer import ByteTokenizer, tokenizer_from_gguf
 from hybridkv.tokenizer.gguf_vocab import _merges_by_position, generate_merges, tokenizer_parts_from_gguf
 

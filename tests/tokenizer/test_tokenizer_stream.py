@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _texts import texts
+from tests.support.texts import texts
 from hybridkv.errors import InvalidArgumentError
 from hybridkv.tokenizer import ByteTokenizer, IncrementalDetokenizer, StopStringMatcher
 

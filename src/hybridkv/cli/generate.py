@@ -31,7 +31,6 @@ size against memory. torch is imported only when the command runs.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import time
@@ -39,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.cli import write_out
+from hybridkv.cli.engine_args import add_engine_options, check_pool, engine_config, require_engine_dependencies
 from hybridkv.cli.model_dir import resolve_model_source
-from hybridkv.cli.options import SEED_MAX, finite_float, int_range, memory, tokens
-from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
-from hybridkv.errors import InvalidArgumentError, InvalidConfigError, PoolTooSmallError
+from hybridkv.cli.options import SEED_MAX, finite_float, int_range
+from hybridkv.errors import InvalidArgumentError
 from hybridkv.planner.architectures import language_model_config
 from hybridkv.planner.presets import load_model_config
 from hybridkv.planner.sizes import format_bytes
@@ -105,10 +104,6 @@ def read_prompts_file(path: Path) -> list[str | list[dict]]:
     return prompts
 
 
-#: the engine dtypes (model weights and KV cache); EngineConfig's default first
-DTYPES = ("float32", "bfloat16", "float16")
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("generate", help="generate text with a model (a name, a .gguf file or a model dir)",
                               description="Generate with a model: an installed name (gemma-3-270m, smollm2-135m), "
@@ -142,127 +137,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def add_engine_options(p: argparse.ArgumentParser, *, max_num_seqs_default: str) -> None:
-    """The engine's options, shared by ``generate`` and ``serve`` (:func:`engine_config` reads them)."""
-    p.add_argument("--no-hybrid", action="store_true",
-                   help="keep every layer's KV as full attention (the all-full layout, for comparison; default: hybrid)")
-    p.add_argument("--dtype", choices=DTYPES, default=DTYPES[0], help=f"model and KV cache dtype (default {DTYPES[0]})")
-    p.add_argument("--block-size", type=int_range(1), default=16, help="tokens per KV cache block (default 16)")
-    p.add_argument("--num-blocks", type=int_range(2, why=" (the null block and one usable)"), default=None,
-                   help="KV cache blocks (default: sized for --max-num-seqs requests of --max-model-len, at most 1 GiB)")
-    p.add_argument("--kv-cache-memory", type=memory, default=None,
-                   help="KV cache budget instead of --num-blocks, e.g. 256MiB (default: see --num-blocks)")
-    p.add_argument("--max-model-len", type=tokens, default=None,
-                   help="tokens per request at most, e.g. 4096, 32k, 1M (default: the model's max_position_embeddings)")
-    p.add_argument("--max-num-seqs", type=int_range(1), default=None,
-                   help=f"requests running at once at most (default: {max_num_seqs_default})")
-    p.add_argument("--max-num-batched-tokens", type=int_range(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   help=f"token budget of one step (chunked prefill) (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
-    p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (default on)")
-    p.add_argument("--prefix-cache-retention-interval", type=_retention, default=0, metavar="N|all",
-                   help="state checkpoints kept by linear-attention / SSM layers: 0 the prompt's last (default, "
-                        "vLLM's), all every block, N every N tokens (a multiple of the block size)")
-    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--attention-backend", choices=("auto", "reference", "triton"), default="auto",
-                   help="paged attention: triton kernels (CUDA), the reference (torch ops), or auto: triton on "
-                        "CUDA when triton imports, else the reference (default auto)")
-    p.add_argument("--quantization", choices=("int8", "int4"), default=None,
-                   help="weight-only quantization on a CPU: int8 per output channel, int4 in groups of 32 "
-                        "(embeddings and output projection included; default: the exact weights)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs: decode steps run eagerly (default: graphs on CUDA with triton)")
-
-
-def engine_config(args: argparse.Namespace, max_num_seqs: int):
-    """The :class:`EngineConfig` of :func:`add_engine_options`' options (imports torch)."""
-    import torch
-
-    from hybridkv.engine.engine import EngineConfig
-    from hybridkv.engine.kernels import resolve_backend
-
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidConfigError(f"--device {args.device}: this torch build sees no CUDA device")
-    resolve_backend(args.attention_backend, device.type)  # refused before the model loads
-    return EngineConfig(
-        device=args.device, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        quantization=args.quantization,
-        block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs or max_num_seqs, dtype=args.dtype,
-        max_num_batched_tokens=args.max_num_batched_tokens, hybrid=not args.no_hybrid,
-        prefix_cache_retention_interval=args.prefix_cache_retention_interval,
-    )
-
-
-def _device(text: str) -> str:
-    """``--device``: ``cpu``, ``cuda`` or ``cuda:N``."""
-    name = text.strip().lower()
-    kind, _, index = name.partition(":")
-    if kind not in ("cpu", "cuda") or (index and (not index.isdigit() or kind == "cpu")):
-        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
-    return name
-
-
-def _retention(text: str) -> int | None:
-    """``--prefix-cache-retention-interval``: "all" (None: every block) or an int >= 0."""
-    if text.strip().lower() == "all":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'all' or an int >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 'all' or an int >= 0, got {text!r}")
-    return value
-
-
-#: what the engine imports (the [engine] extra's modules; tqdm only draws a progress bar)
-ENGINE_MODULES = ("torch", "safetensors", "numpy", "gguf", "tokenizers", "jinja2")
-
-
-def _require_engine_dependencies(command: str = "generate") -> None:
-    """The [engine] extra's modules, imported here so that a missing one is one line, not a traceback."""
-    for module in ENGINE_MODULES:
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            raise InvalidConfigError(
-                f"{command} needs {module}, which is not installed: pip install 'hybridkv[engine]'"
-            ) from None
-
-
-def _check_pool(args: argparse.Namespace, config: dict, label: str) -> None:
-    """Refuse a KV cache that fits no block or not in memory, before the model loads.
-
-    The layout is the engine's (:class:`~hybridkv.engine.layout.EngineLayout`, torch-free):
-    a block id's bytes are every group's pages (``group_size * page``), and what is
-    allocated adds the state pools of linear-attention layers.
-    """
-    from hybridkv.engine.kv_storage import check_allocation
-    from hybridkv.engine.layout import EngineLayout
-
-    layout = EngineLayout.plan(config, label=label, block_size=args.block_size, dtype=args.dtype,
-                               max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                               hybrid=not args.no_hybrid, memory_bytes=args.kv_cache_memory)
-    if args.num_blocks is None and args.kv_cache_memory is None:
-        return
-    per_block = layout.bytes_per_block
-    if args.num_blocks is not None:
-        num_blocks = args.num_blocks
-        what = f"--num-blocks {num_blocks:,} (blocks of {format_bytes(per_block)})"
-    else:
-        num_blocks = args.kv_cache_memory // per_block
-        what = f"--kv-cache-memory {format_bytes(args.kv_cache_memory)}"
-        if num_blocks < 2:
-            raise PoolTooSmallError(
-                f"{what} ({args.kv_cache_memory:,} bytes) fits {num_blocks} KV cache block(s) of "
-                f"{format_bytes(per_block)} ({per_block:,} bytes) for this model; 2 are needed (the null "
-                f"block and one usable): give at least {format_bytes(2 * per_block)}"
-            )
-    check_allocation(layout.allocation_bytes(num_blocks), "cpu", what)
-
-
 def _prompts(args: argparse.Namespace) -> tuple[list[Any], bool]:
     """The prompts as given (text, chat messages or id lists) and whether they are ids."""
     ids = [parse_prompt_ids(t) for t in args.prompt_ids]
@@ -294,9 +168,9 @@ def run(args: argparse.Namespace) -> int:
                         top_p=args.top_p, seed=args.seed, stop_token_ids=stop_ids, ignore_eos=args.ignore_eos,
                         stop=tuple(args.stop))
     source = resolve_model_source(args.model)  # an installed name, a checked GGUF header, or a checked dir
-    _require_engine_dependencies()
+    require_engine_dependencies()
     loaded = load_model_config(source.path)
-    _check_pool(args, loaded.config, loaded.label)
+    check_pool(args, loaded.config, loaded.label)
 
     from hybridkv.engine.llm import LLM, checkpoint_tokenizer, encode_prompt
 

@@ -32,7 +32,7 @@ def require_server_dependencies(kv_events: bool, command: str = "serve", extra: 
 def add_max_request_bytes(parser) -> None:
     """``--max-request-bytes`` (serve and route): a larger body is a 413 before anything parses it."""
     from hybridkv.cli.options import int_range
-    from hybridkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
+    from hybridkv.protocol.limits import DEFAULT_MAX_REQUEST_BYTES
 
     parser.add_argument("--max-request-bytes", type=int_range(1), default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                         help=f"refuse request bodies larger than N bytes with 413 (default {DEFAULT_MAX_REQUEST_BYTES:,}: "

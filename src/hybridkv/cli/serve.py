@@ -23,7 +23,7 @@ import logging
 import socket
 import sys
 
-from hybridkv.cli.generate import _check_pool, _require_engine_dependencies, add_engine_options, engine_config
+from hybridkv.cli.engine_args import add_engine_options, check_pool, engine_config, require_engine_dependencies
 from hybridkv.cli.http_server import (
     add_max_request_bytes,
     bind_socket,
@@ -101,11 +101,11 @@ def run(args: argparse.Namespace) -> int:
     if args.num_blocks is not None and args.kv_cache_memory is not None:
         raise InvalidArgumentError("give --num-blocks or --kv-cache-memory, not both")
     require_server_dependencies(config.kv_events is not None)
-    _require_engine_dependencies("serve")
+    require_engine_dependencies("serve")
     from hybridkv.planner.presets import load_model_config
 
     loaded = load_model_config(source.path)
-    _check_pool(args, loaded.config, loaded.label)
+    check_pool(args, loaded.config, loaded.label)
     sock = bind_socket(config.host, config.port)  # a port in use is refused before the model loads
     try:
         return _serve(args, config, source, sock)

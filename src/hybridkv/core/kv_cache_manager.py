@@ -29,12 +29,13 @@ from typing import Iterable, Sequence
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig
 from hybridkv.core.coordinator import KVCacheCoordinator
 from hybridkv.core.events import KVCacheEvent
-from hybridkv.core.kv_cache_blocks import KVCacheBlocks
 from hybridkv.core.hashing import MultiModalFeature
+from hybridkv.core.kv_cache_blocks import KVCacheBlocks
 from hybridkv.core.managers.base import NEVER
 from hybridkv.core.managers.state import aligned_num_new_tokens
 from hybridkv.core.prefix_pins import PrefixPins
 from hybridkv.core.request import BlockHasher, Request
+from hybridkv.core.usage import PoolUsage, UsagePeaks, pool_usage, usable_blocks
 from hybridkv.errors import (
     InvalidArgumentError,
     InvalidConfigError,
@@ -98,6 +99,7 @@ class KVCacheManager:
         #                num_computed_tokens at which a block dies, the count when recorded):
         #                the decode fast path
         self._quiet: dict[str, tuple[Request, int, int, int]] = {}
+        self._peaks = UsagePeaks(self.coordinator.num_groups)  # pool_usage()'s peaks
 
     # ------------------------------------------------------------- requests
     def make_request(
@@ -395,6 +397,16 @@ class KVCacheManager:
             return request_id in self._live
         except TypeError:  # an unhashable id
             raise InvalidArgumentError(f"a request id must be a str, got {request_id!r:.60}") from None
+
+    def pool_usage(self) -> PoolUsage:
+        """Usable, free, cached-free and per-group held blocks now, with their peaks so far
+        (:mod:`hybridkv.core.usage`: the one home of the pool's accounting)."""
+        return pool_usage(self.coordinator, self._peaks)
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks that can hold KV: all but the null block."""
+        return usable_blocks(self.pool.num_blocks)
 
     @property
     def num_free_blocks(self) -> int:

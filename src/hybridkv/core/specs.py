@@ -35,6 +35,8 @@ from hybridkv.errors import InvalidSpecError
 
 __all__ = [
     "DTYPE_BYTES",
+    "DTYPE_ALIASES",
+    "canonical_dtype",
     "dtype_bytes",
     "cdiv",
     "span_blocks",
@@ -57,12 +59,18 @@ DTYPE_BYTES: dict[str, int] = {
     "uint8": 1,
 }
 
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+#: short names of dtypes (the one table of them: the engine's ``torch_dtype`` reads it too)
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+
+
+def canonical_dtype(dtype: object) -> object:
+    """``"bf16"`` -> ``"bfloat16"``: an alias of :data:`DTYPE_ALIASES` resolved, anything else as given."""
+    return DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
 
 
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of ``dtype`` (a name such as ``"bfloat16"``)."""
-    name = _DTYPE_ALIASES.get(dtype, dtype)
+    name = canonical_dtype(dtype)
     try:
         return DTYPE_BYTES[name]
     except (KeyError, TypeError):
@@ -197,7 +205,7 @@ class KVCacheSpec(CacheSpec):
         CacheSpec.__post_init__(self)
         _check_positive_int("num_kv_heads", self.num_kv_heads)
         _check_positive_int("head_size", self.head_size)
-        canonical = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        canonical = canonical_dtype(self.dtype)
         dtype_bytes(canonical)
         if canonical != self.dtype:
             object.__setattr__(self, "dtype", canonical)

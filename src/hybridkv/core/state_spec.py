@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import ClassVar
 
-from hybridkv.core.specs import _DTYPE_ALIASES, CacheSpec, KVCacheSpec, cdiv, dtype_bytes
+from hybridkv.core.specs import CacheSpec, KVCacheSpec, canonical_dtype, cdiv, dtype_bytes
 from hybridkv.errors import InvalidSpecError
 
 __all__ = ["StateSpec", "STATE_TYPES", "gated_delta_net_state", "mamba2_state", "unify_page_sizes"]
@@ -73,7 +73,7 @@ class StateSpec(CacheSpec):
         dtypes = self.dtypes
         if isinstance(dtypes, str) or not isinstance(dtypes, (tuple, list)) or len(dtypes) != len(shapes):
             raise InvalidSpecError(f"dtypes must be a tuple of one dtype name per shape ({len(shapes)}), got {dtypes!r}")
-        canonical = tuple(_DTYPE_ALIASES.get(d, d) if isinstance(d, str) else d for d in dtypes)
+        canonical = tuple(canonical_dtype(d) for d in dtypes)
         for d in canonical:
             dtype_bytes(d)
         object.__setattr__(self, "dtypes", canonical)

@@ -327,7 +327,7 @@ class LLMEngine:
             seq = sched.sequences[sr.request_id]
             if seq.admitted_step == output.step:
                 self._usage.prefix_hit_tokens += seq.last_hit_tokens
-        self._usage.sample(self.kv, (s.request_id for s in sched.running))  # this step's slots allocated
+        self.kv.pool_usage()  # this step's slots allocated: the core raises its peaks
         sampled = self.runner.execute(output) if output.scheduled else {}
         finished = {seq.request_id: seq for seq in sched.update_from_output(output, sampled)}
         now = time.perf_counter()
@@ -387,12 +387,12 @@ class LLMEngine:
         n = self.max_model_len if num_tokens is None else num_tokens
         if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= self.max_model_len:
             raise InvalidArgumentError(f"num_tokens must be an int in [1, {self.max_model_len}], got {n!r}")
-        u = self._usage
+        u, usage = self._usage, self.kv.pool_usage()
         return KVSummary(
             hybrid=self.config.hybrid,
-            groups=u.groups(u.count(self.kv, (s.request_id for s in self.scheduler.running))),
+            groups=u.groups(usage),
             bytes_per_block=self.grouping.bytes_per_block,
-            peak_blocks=u.peak_total,
+            peak_blocks=usage.peak_used,
             prefix_hit_tokens=u.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_tokens=n,

@@ -25,34 +25,26 @@ from typing import Sequence
 
 import torch
 
+from hybridkv.core.blocks import NULL_BLOCK_ID  # the shared null block (one home: the core)
+from hybridkv.core.specs import DTYPE_ALIASES, canonical_dtype
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, InvariantViolation
 from hybridkv.planner.sizes import format_bytes
 
 __all__ = ["PagedKVStorage", "NULL_BLOCK_ID", "torch_dtype", "layer_index", "available_memory", "check_allocation"]
 
-#: the shared null block; stands for tokens no query may attend to
-NULL_BLOCK_ID = 0
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; a torch dtype passes through."""
+    """``"bfloat16"`` (or an alias of the core's, ``"bf16"``) -> ``torch.bfloat16``; a torch dtype passes through."""
     if isinstance(dtype, torch.dtype):
         return dtype
     try:
-        return _DTYPES[dtype]
+        return _DTYPES[canonical_dtype(dtype)]
     except (KeyError, TypeError):
-        raise InvalidConfigError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
+        names = sorted([*_DTYPES, *(a for a, n in DTYPE_ALIASES.items() if n in _DTYPES)])
+        raise InvalidConfigError(f"unsupported KV dtype {dtype!r}; expected one of {names}") from None
 
 
 def layer_index(name: int | str) -> int:

@@ -1,9 +1,9 @@
 """What the engine's KV cache did: blocks in use per group, prefix hits, preemptions.
 
-:class:`UsageTracker` samples the pool once per step, after the scheduler has
-allocated the step's slots (the moment the step computes with, so its high-water
-mark), counting the distinct non-null block ids the running requests hold in each
-group (a prefix-shared block counts once). :class:`KVSummary` is the engine's
+The engine asks the core's accounting (:meth:`KVCacheManager.pool_usage`,
+:mod:`hybridkv.core.usage`) once per step, after the scheduler has allocated the step's
+slots (the moment the step computes with, so its high-water mark): the distinct non-null
+blocks each group holds and their peaks. :class:`KVSummary` is the engine's
 answer to ``kv_summary()``: that usage, the prefix-hit tokens and preemptions since
 the engine started, and the KV bytes one request needs in this layout next to the
 all-full-attention layout, both asked of the planner's
@@ -29,9 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.core.specs import CacheSpec
 from hybridkv.core.state_spec import StateSpec
+from hybridkv.core.usage import PoolUsage
 from hybridkv.planner.grouping import Grouping
 
 __all__ = ["GroupUsage", "KVSummary", "UsageTracker", "kv_bytes_per_request", "state_bytes_per_request"]
@@ -95,32 +95,17 @@ def state_bytes_per_request(grouping: Grouping, num_tokens: int) -> int:
 
 
 class UsageTracker:
-    """Blocks in use per group, sampled once per step (see the module docstring)."""
+    """The engine's per-group labels and prefix-hit count beside the core's block accounting."""
 
     def __init__(self, specs: Iterable[CacheSpec], layers_per_group: Iterable[int]) -> None:
         self.specs = tuple(specs)
         self.num_layers = tuple(layers_per_group)
-        self.peak = [0] * len(self.specs)
-        self.peak_total = 0
         self.prefix_hit_tokens = 0
 
-    def count(self, kv: KVCacheManager, request_ids: Iterable[str]) -> list[int]:
-        """Distinct non-null blocks ``request_ids`` hold per group now."""
-        held: list[set[int]] = [set() for _ in self.specs]
-        for rid in request_ids:
-            for g, ids in enumerate(kv.get_block_ids(rid)):
-                held[g].update(ids)
-        return [len(s - {0}) for s in held]
-
-    def sample(self, kv: KVCacheManager, request_ids: Iterable[str]) -> None:
-        """Raise the peaks to what ``request_ids`` hold now."""
-        now = self.count(kv, request_ids)
-        self.peak = [max(p, n) for p, n in zip(self.peak, now)]
-        self.peak_total = max(self.peak_total, sum(now))
-
-    def groups(self, in_use: Iterable[int]) -> tuple[GroupUsage, ...]:
-        """Per group: its spec, layers, ``in_use`` blocks (a :meth:`count`) and peak."""
+    def groups(self, usage: PoolUsage) -> tuple[GroupUsage, ...]:
+        """Per group: its spec, layers, blocks held now and peak (``usage``: the core's)."""
         return tuple(
             GroupUsage(g, spec.kind, spec.attention_span, layers, now, peak)
-            for g, (spec, layers, now, peak) in enumerate(zip(self.specs, self.num_layers, in_use, self.peak))
+            for g, (spec, layers, now, peak) in enumerate(
+                zip(self.specs, self.num_layers, usage.used_per_group, usage.peak_per_group))
         )

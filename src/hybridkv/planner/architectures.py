@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from math import lcm
 from typing import Any, Callable, Mapping
 
-from hybridkv.core.specs import _DTYPE_ALIASES, DTYPE_BYTES, CacheSpec, ChunkedLocalAttentionSpec, FullAttentionSpec
+from hybridkv.core.specs import DTYPE_BYTES, canonical_dtype, CacheSpec, ChunkedLocalAttentionSpec, FullAttentionSpec
 from hybridkv.core.specs import KVCacheSpec, SlidingWindowSpec, dtype_bytes
 from hybridkv.core.state_spec import StateSpec, unify_page_sizes
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, InvalidSpecError, UnknownArchitectureError
@@ -146,13 +146,6 @@ class ModelLayers:
     @property
     def attention_specs(self) -> tuple[KVCacheSpec, ...]:
         return tuple(s for s in self.specs if isinstance(s, KVCacheSpec))
-
-    def layers_by_type(self) -> dict[str, list[int]]:
-        """``type_id`` -> the indices of the layers with that spec, in first-seen order."""
-        out: dict[str, list[int]] = {}
-        for i, spec in zip(self.cache_layers, self.specs):
-            out.setdefault(spec.type_id, []).append(i)
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,7 +420,7 @@ def model_layers(
         specs=specs,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        dtype=next((s.dtype for s in specs if isinstance(s, KVCacheSpec)), _DTYPE_ALIASES.get(kv_dtype, kv_dtype)),
+        dtype=next((s.dtype for s in specs if isinstance(s, KVCacheSpec)), canonical_dtype(kv_dtype)),
         block_size=specs[0].block_size,
         max_position_embeddings=max_pos,
         kinds=kinds,

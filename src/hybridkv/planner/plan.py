@@ -34,6 +34,7 @@ from pathlib import Path
 
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, KVCacheConfig, KVCacheGroup
 from hybridkv.core.specs import FullAttentionSpec, KVCacheSpec
+from hybridkv.core.usage import usable_blocks
 from hybridkv.errors import InvalidArgumentError, PoolTooSmallError
 from hybridkv.planner.architectures import ModelLayers, cache_name, model_layers
 from hybridkv.planner.grouping import Grouping, group_layers
@@ -98,7 +99,7 @@ class LayoutPlan:
     @property
     def usable_blocks(self) -> int:
         """``num_blocks`` less the null block."""
-        return max(self.num_blocks - 1, 0)
+        return usable_blocks(self.num_blocks)
 
     @property
     def bytes_per_block(self) -> int:
@@ -118,11 +119,6 @@ class LayoutPlan:
     def max_num_requests(self) -> int:
         """Whole requests of ``max_model_len`` tokens the pool holds at once."""
         return self.usable_blocks // self.blocks_per_request
-
-    @property
-    def pool_tokens(self) -> int:
-        """Usable blocks per group, in tokens (vLLM's "GPU KV cache size" figure)."""
-        return self.usable_blocks // self.grouping.num_groups * self.grouping.groups[0].spec.block_size
 
     @property
     def tensors(self) -> tuple[SharedTensor, ...]:
@@ -157,7 +153,7 @@ def layout_plan(name: str, grouping: Grouping, memory_bytes: int, max_model_len:
         num_blocks=num_blocks,
         blocks_per_request=grouping.blocks_per_request(max_model_len),
         padding_bytes_per_request=grouping.padding_bytes_per_request(max_model_len),
-        max_context_tokens=max_context_tokens(grouping, max(num_blocks - 1, 0)),
+        max_context_tokens=max_context_tokens(grouping, usable_blocks(num_blocks)),
     )
 
 

@@ -34,10 +34,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridkv import __version__
 from hybridkv.errors import HybridKVError
+from hybridkv.protocol.errors import error_body, to_response
+from hybridkv.protocol.limits import BodyLimit, Offload, loads_json
 from hybridkv.router.replica import Replica
 from hybridkv.router.router import Router
-from hybridkv.server.body_limit import BodyLimit, Offload, loads_json
-from hybridkv.server.errors import error_body, to_response
 
 __all__ = ["create_router_app"]
 

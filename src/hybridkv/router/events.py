@@ -2,7 +2,7 @@
 
 :class:`ReplicaEvents` is a daemon thread with a ZMQ SUB socket connected to a
 replica's publisher (``hybridkv serve --kv-events`` or vLLM: the wire format of
-:mod:`hybridkv.server.kv_events`) and, when the replica has one, a DEALER on its
+:mod:`hybridkv.protocol.kv_events`) and, when the replica has one, a DEALER on its
 replay endpoint. It hands each batch's wire events to ``on_batch(events)``, strictly
 in sequence order and each batch once, and calls ``on_reset(reason)`` whenever what
 it will deliver next no longer continues what it delivered before:
@@ -69,7 +69,7 @@ from typing import Any, Callable
 import zmq
 
 from hybridkv.errors import InvalidConfigError
-from hybridkv.server.kv_events import END_SEQ, decode_batch
+from hybridkv.protocol.kv_events import END_SEQ, decode_batch
 
 __all__ = ["ReplicaEvents"]
 

@@ -1,7 +1,7 @@
 """What one replica has cached, from its KV event stream, and how long a prompt's hit there is.
 
 A :class:`ReplicaIndex` is fed each batch of a replica's wire events
-(:mod:`hybridkv.server.kv_events`: ours, or vLLM's) and keeps, per KV cache group, which
+(:mod:`hybridkv.protocol.kv_events`: ours, or vLLM's) and keeps, per KV cache group, which
 blocks are resident. Blocks are keyed by OUR chained hash (:mod:`hybridkv.core.hashing`),
 recomputed from the token ids each BlockStored carries, so a replica whose engine hashes
 differently (vLLM's sha256_cbor, its 64-bit int hashes) indexes all the same: the

@@ -22,8 +22,7 @@ that offer the same hit, the one still holding the conversation's chain (though 
 windows a longer hit needs were evicted) keeps the chat, rather than the least loaded
 one. Moving costs this request nothing (both recompute the same tokens) but leaves the
 old chain behind as dead weight and makes the new replica store the whole conversation
-again. (On ``bench_route`` it made no difference beyond the 10-20 % by which rounds vary;
-README, "The pool size sets the regime".)
+again.
 Without token ids (no tokenizer, an unparsable body) every hit is 0 and the rule is
 least-loaded.
 """

@@ -93,11 +93,13 @@ class Replica:
             self.last_event_time = time.monotonic()
             self.stale = False
 
-    def reset_index(self, reason: str) -> None:
-        """Drop everything the index holds (a restart, an unfillable gap, down, silent)."""
+    def reset_index(self, reason: str, counted: bool = True) -> None:
+        """Drop everything the index holds (a restart, an unfillable gap, down, silent); ``counted``:
+        in ``num_resets`` (a resync the router asked for was counted under the router's reason)."""
         with self.lock:
             self.index.clear()
-            self.num_resets[reason] = self.num_resets.get(reason, 0) + 1
+            if counted:
+                self.num_resets[reason] = self.num_resets.get(reason, 0) + 1
 
     @property
     def block_size(self) -> int | None:

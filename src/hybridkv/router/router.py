@@ -33,10 +33,10 @@ from typing import Any, Sequence
 import httpx
 
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, ServiceUnavailableError
+from hybridkv.protocol.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_request_bytes
 from hybridkv.router.index import Prompt
-from hybridkv.router.policy import PolicyName, make_policy
+from hybridkv.router.policy import make_policy
 from hybridkv.router.replica import Replica, ReplicaSpec
-from hybridkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, check_max_request_bytes
 
 __all__ = ["Router", "RouterConfig"]
 
@@ -113,7 +113,7 @@ class Router:
         from hybridkv.router.events import ReplicaEvents
 
         return ReplicaEvents(r.name, r.spec.events, r.spec.replay, on_batch=r.on_events,
-                             on_reset=lambda reason, r=r: r.reset_index(reason))
+                             on_reset=lambda reason, r=r: r.reset_index(reason, counted=reason != "resync"))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -162,15 +162,17 @@ class Router:
     def mark_down(self, r: Replica, reason: str) -> None:
         """Take ``r`` out of rotation and drop its index; a replica that was up counts one failure
         (``/router/replicas``' ``failures``: how often it went down, and requests it failed)."""
-        if r.up:
-            log.warning("replica %s (%s) is down (%s)", r.name, r.spec.url, reason)
-            r.num_failures += 1
+        if not r.up:  # already down (another request's refused connection, a probe): counted, dropped
+            return
+        log.warning("replica %s (%s) is down (%s)", r.name, r.spec.url, reason)
+        r.num_failures += 1
         r.up = False
         self.drop_index(r, "down")
 
     def drop_index(self, r: Replica, reason: str) -> None:
         """Clear ``r``'s index and ask its events for everything again from the replay: the
-        index rebuilds as far as the replica's replay buffer reaches back."""
+        index rebuilds as far as the replica's replay buffer reaches back. One drop counts once
+        (``reason``); the events thread's own reset for the resync is not counted again."""
         r.reset_index(reason)
         if r.events is not None:
             r.events.resync()
@@ -196,7 +198,12 @@ class Router:
         body the replica will refuse, several prompts): the decision then ignores hits."""
         from pydantic import ValidationError
 
-        from hybridkv.server.protocol import ChatCompletionRequest, CompletionRequest, chat_messages, completion_prompt_list
+        from hybridkv.protocol.openai import (
+            ChatCompletionRequest,
+            CompletionRequest,
+            chat_messages,
+            completion_prompt_list,
+        )
         from hybridkv.tokenizer.prompts import encode_prompt
 
         if not isinstance(body, dict):
@@ -257,6 +264,3 @@ class Router:
                 r.expect_since = sent_at
             r.expect_event_by = time.monotonic() + self.config.events_timeout
 
-    @property
-    def uses_index(self) -> bool:
-        return self.policy.name in (PolicyName.HYBRID, PolicyName.FULL_ONLY)

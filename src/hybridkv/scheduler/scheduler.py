@@ -72,7 +72,7 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self._finished_since_last: list[str] = []
-        self._usable_blocks = kv_cache_manager.kv_cache_config.num_blocks - 1
+        self._usable_blocks = kv_cache_manager.usable_blocks
 
     # -------------------------------------------------------------- requests
     def add_request(

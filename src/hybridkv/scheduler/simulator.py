@@ -17,6 +17,7 @@ from typing import Sequence
 
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig
 from hybridkv.core.kv_cache_manager import KVCacheManager
+from hybridkv.core.usage import usable_blocks
 from hybridkv.errors import PoolTooSmallError
 from hybridkv.scheduler.config import SchedulerConfig
 from hybridkv.scheduler.fake_runner import FakeRunner
@@ -140,7 +141,7 @@ def simulate(
     runner = FakeRunner()
     result = SimulationResult(name, kv_cache_config.num_blocks, bytes_per_block, scheduler_config.admission)
     pending = sorted(trace, key=lambda r: r.arrival_step)
-    usable = kv_cache_config.num_blocks - 1
+    usable = usable_blocks(kv_cache_config.num_blocks)
     bar = Progress(len(pending), name, progress)
     next_arrival = 0
     done = 0

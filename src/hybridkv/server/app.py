@@ -15,7 +15,7 @@
 The lifespan starts the engine thread and, at shutdown (after uvicorn has let open
 responses finish), aborts what is left, stops the thread and records the pool's free
 blocks in ``app.state.final_blocks``. Every error is OpenAI's JSON error body with the
-status of :mod:`hybridkv.server.errors`: malformed JSON and wrong types are 400 (not
+status of :mod:`hybridkv.protocol.errors`: malformed JSON and wrong types are 400 (not
 FastAPI's 422), unknown routes 404, and nothing on the wire carries a traceback. A
 client that disconnects aborts its requests, streaming or not: their blocks are freed
 before the engine's next step.
@@ -29,18 +29,18 @@ import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ValidationError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridkv import __version__
 from hybridkv.errors import HybridKVError, InvalidArgumentError
+from hybridkv.protocol.errors import error_body, to_response
+from hybridkv.protocol.limits import BodyLimit, Offload, loads_json
+from hybridkv.protocol.openai import ChatCompletionRequest, CompletionRequest
 from hybridkv.server.async_llm import AsyncLLM
-from hybridkv.server.body_limit import BodyLimit, Offload, loads_json
 from hybridkv.server.config import ServerConfig
-from hybridkv.server.errors import error_body, to_response
-from hybridkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from hybridkv.server.serving import OpenAIServing
 
 __all__ = ["create_app"]

@@ -202,7 +202,8 @@ class AsyncLLM:
             self.kv_publisher.close()
         kv = self.engine.kv
         kv.check_invariants()
-        return kv.pool.num_free_blocks, kv.kv_cache_config.num_blocks - 1
+        usage = kv.pool_usage()
+        return usage.free, usage.usable
 
     # ------------------------------------------------------------ requests
     async def submit(

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridkv.errors import InvalidConfigError
-from hybridkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from hybridkv.protocol.limits import DEFAULT_MAX_REQUEST_BYTES
 
 __all__ = ["ServerConfig", "SHUTDOWN_MODES"]
 

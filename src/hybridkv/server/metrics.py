@@ -30,7 +30,7 @@ Per step (``on_step``, read from the engine; gauges show the last step):
   requests through the prefix cache counts once); ``state="free"``: free blocks in the
   pool, which every group shares: the same number on every group, so do not sum it.
 - ``hybridkv:kv_cache_group_peak_blocks`` gauge, labels ``group``, ``kind``, ``span``: the
-  most ``used`` blocks seen at the end of a step.
+  most ``used`` blocks seen after a step's allocation (the engine's high-water mark).
 - ``hybridkv:kv_cache_blocks`` gauge, label ``state``: the shared pool's usable blocks,
   ``used`` + ``free`` = ``num_gpu_blocks``; ``state="cached_free"`` is the part of
   ``free`` that holds a prefix-cache entry (a hit can revive it; evicted when needed).
@@ -49,23 +49,12 @@ Per finished request (``on_request_finished``; a request's tokens count when it 
 - ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens`` histograms: tokens
   per request (buckets 1, 2, 5, 10, 20, 50, ... up to ``max_model_len``).
 
-Cost: ``on_step`` counts each group's blocks from the managers' tables (a set of block
-objects per attention type, one per stripe of lock-step groups; full attention by
-subtraction from the pool's count, see :func:`blocks_in_use`), the pool's free and
-cached-free counts in O(1), and scans the waiting queue once for the preempted gauge.
 Histograms are plain lists updated with ``bisect`` under one lock; a render copies them
 under the lock and builds the Prometheus families outside it, so the engine thread never
-waits on prometheus_client. Measured on the tiny Gemma 3 engine of the tests (block 4,
-groups full + 2 sliding(12), 64 running requests of 40-140 tokens, one torch thread):
-``on_step`` 26-33 µs against a 9.5-17 ms step (``kv_summary``'s brute-force count: 160-180
-µs); ``on_request_finished`` of a 256-token request 70 µs; ``render`` 1.2 ms (HTTP thread).
+waits on prometheus_client (costs: benchmarks/RESULTS.md, "Server metrics").
 
-Worked example of ``used`` (the tiny Gemma 3 of the tests: block 4, groups full,
-sliding(12), sliding(12)): request A, a 20-token prompt, after its first decode step holds
-full [99 1 2 3 4 15] and sliding [0 0 9 11 13 17] (tokens 0-7 are out of token 20's
-window: the null block 0). Then B, A's first 16 tokens and 4 others, hits 16 tokens: full
-[99 1 2 3 16], sliding [0 7 9 11 19] (7, freed by A but still cached, revived). ``used``:
-full 7 (99, 1, 2, 3 shared), each sliding group 6.
+``used`` per group and its peak come from the core's accounting
+(:mod:`hybridkv.core.usage`, with a worked example).
 """
 
 from __future__ import annotations
@@ -247,13 +236,13 @@ class ServerMetrics:
             for i, g in enumerate(groups)
         ]
         kv = engine.kv
-        self._usable_blocks = kv.pool.num_blocks - 1
+        self._usable_blocks = kv.usable_blocks
         self._config_info = {
             "block_size": str(kv.block_size),
             "num_gpu_blocks": str(self._usable_blocks),
             "enable_prefix_caching": str(bool(kv.enable_caching)),
         }
-        self._state = _State(len(groups), kv.pool.num_free_blocks, engine.scheduler.num_preemptions,
+        self._state = _State(len(groups), kv.pool_usage().free, engine.scheduler.num_preemptions,
                              engine.max_model_len)
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
@@ -264,9 +253,7 @@ class ServerMetrics:
         sched = engine.scheduler
         kv = engine.kv
         stats = kv.make_prefix_cache_stats()  # get and reset, as vLLM's scheduler
-        used = blocks_in_use(kv)
-        free = kv.pool.num_free_blocks
-        cached_free = cached_free_blocks(kv.pool)
+        usage = kv.pool_usage()  # the core's accounting: per-group held blocks and their peaks
         preempted = sum(1 for s in sched.waiting if s.num_preemptions)
         with self._lock:
             st = self._state
@@ -277,10 +264,10 @@ class ServerMetrics:
             st.kv_usage = kv.usage
             st.prefix_queries += stats.queries
             st.prefix_hits += stats.hits
-            st.group_used = used
-            st.group_peak = [max(p, u) for p, u in zip(st.group_peak, used)]
-            st.free_blocks = free
-            st.cached_free_blocks = cached_free
+            st.group_used = list(usage.used_per_group)
+            st.group_peak = list(usage.peak_per_group)
+            st.free_blocks = usage.free
+            st.cached_free_blocks = usage.cached_free
 
     def on_request_finished(self, rec: FinishedRecord) -> None:
         """Count a finished request and observe its latencies."""
@@ -356,7 +343,7 @@ class ServerMetrics:
                                 "free (the shared pool's free blocks, the same for every group).",
                                 labels=[*glabels, "state"])
         peak = GaugeMetricFamily("hybridkv:kv_cache_group_peak_blocks",
-                                 "Most blocks a KV cache group held at the end of a step.", labels=glabels)
+                                 "Most blocks a KV cache group held after a step's allocation.", labels=glabels)
         for labels, used, top in zip(self._group_labels, st.group_used, st.group_peak):
             fam.add_metric([*name, *labels, "used"], used)
             fam.add_metric([*name, *labels, "free"], st.free_blocks)
@@ -370,48 +357,3 @@ class ServerMetrics:
         pool.add_metric([*name, "cached_free"], st.cached_free_blocks)
         out.append(pool)
         return out
-
-
-def blocks_in_use(kv) -> list[int]:
-    """Distinct non-null blocks each group's block tables hold now (a shared block once).
-
-    One set of block objects per manager: the groups of a manager advance in lock-step
-    and hold stripes (one lead block per position for all of them), so each of its groups
-    holds as many blocks as there are distinct leads. The full-attention manager's tables
-    grow with every request's length, so it is not counted: every held block sits in one
-    manager's tables (``width`` blocks per lead), and the pool knows how many are held
-    (usable minus free), so the full groups hold what the others leave. Sliding and
-    chunked tables stay within the window / chunk, so the cost is bounded by
-    ``running * (window / block + 2)``. Equal to counting ``kv.get_block_ids(rid)`` per
-    group over the live requests (checked against it by the tests).
-    """
-    coord = kv.coordinator
-    pool = coord.pool
-    out = [0] * coord.num_groups
-    null = pool.null_block
-    derived = next((m for m in coord.managers if m.downward_closed), None)
-    rest = pool.num_blocks - 1 - pool.num_free_blocks  # held blocks, all groups
-    for m in coord.managers:
-        if m is derived:
-            continue
-        held = set()
-        for st in m.requests.values():  # past its leading null blocks (skipped tokens)
-            held.update(st.blocks[st.num_skipped:] if st.num_skipped else st.blocks)
-        held.discard(null)
-        rest -= len(held) * m.width
-        for g in m.group_ids:
-            out[g] = len(held)
-    if derived is not None:
-        for g in derived.group_ids:
-            out[g] = rest // derived.width
-    return out
-
-
-def cached_free_blocks(pool) -> int:
-    """Free blocks that hold a prefix-cache entry. O(1) when the pool keeps uncached free
-    entries apart (``uncached_first``, the default): free minus the per-width stacks'
-    blocks; else one pass over the LRU."""
-    fq = pool.free_queue
-    if fq.uncached_first:
-        return pool.num_free_blocks - sum(w * len(st) for w, st in fq.stacks.items())
-    return sum(b.width for b in fq.lru.values() if b.block_hash is not None)

@@ -1,11 +1,11 @@
 """OpenAI's completions and chat completions over :class:`AsyncLLM`, with no web framework.
 
 A request goes through the same steps on both endpoints, each of which may refuse it
-with a typed error before anything is queued (:mod:`hybridkv.server.errors` turns them
+with a typed error before anything is queued (:mod:`hybridkv.protocol.errors` turns them
 into OpenAI error bodies):
 
 1. the model name (``None`` means the served model), and the parameters hybridkv cannot
-   honour (:func:`~hybridkv.server.protocol.unsupported`);
+   honour (:func:`~hybridkv.protocol.openai.unsupported`);
 2. the prompt's token ids: text with the tokenizer's special tokens, a chat through the
    chat template (a template that raises is a 400), or token ids as given;
 3. the context: ``max_tokens`` >= 1 and prompt + ``max_tokens`` <= ``max_model_len``
@@ -30,17 +30,17 @@ from typing import Any, AsyncIterator
 from pydantic import ValidationError
 
 from hybridkv.errors import EngineFailedError, InvalidArgumentError, ModelNotFoundError, PromptTooLongError
-from hybridkv.scheduler.interface import SamplingParams, check_context
-from hybridkv.server.async_llm import AsyncLLM, Chunk, Submission, TokenLogprob
-from hybridkv.server.config import ServerConfig
-from hybridkv.server.protocol import (
+from hybridkv.protocol.limits import Offload
+from hybridkv.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,
     completion_prompt_list,
     unsupported,
 )
-from hybridkv.server.body_limit import Offload
+from hybridkv.scheduler.interface import SamplingParams, check_context
+from hybridkv.server.async_llm import AsyncLLM, Chunk, Submission, TokenLogprob
+from hybridkv.server.config import ServerConfig
 from hybridkv.tokenizer.prompts import encode_prompt, min_tokens
 
 __all__ = ["OpenAIServing", "sse"]

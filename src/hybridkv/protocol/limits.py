@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 from hybridkv.errors import InvalidConfigError
-from hybridkv.server.errors import error_body
+from hybridkv.protocol.errors import error_body
 
 __all__ = ["BodyLimit", "DEFAULT_MAX_REQUEST_BYTES", "Offload", "check_max_request_bytes", "loads_json"]
 

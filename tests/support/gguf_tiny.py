@@ -1,6 +1,6 @@
 """Synthetic GGUF files for the loader tests, written with the gguf package's GGUFWriter.
 
-:func:`write_like_llama_cpp` converts a tiny random HF model (``tests/engine/_hf_tiny.py``)
+:func:`write_like_llama_cpp` converts a tiny random HF model (``tests/support/hf_tiny.py``)
 the way llama.cpp's ``convert_hf_to_gguf.py`` does: names through
 ``gguf.get_tensor_name_map`` (the package's own table, not ours), Llama's q/k rows
 permuted (``LlamaModel.permute``), Gemma's norm weights stored ``+ 1``, a tied head

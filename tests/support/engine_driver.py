@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from _naive_blocks import NaiveBlocks
+from tests.support.naive_blocks import NaiveBlocks
 
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.engine.model_runner import PagedModelRunner

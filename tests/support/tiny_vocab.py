@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from _texts import FRAGMENTS, texts
+from tests.support.texts import FRAGMENTS, texts
 
 CHAT = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"

@@ -1,0 +1,9 @@
+"""What ``serve`` and ``route`` both speak, so that neither imports the other:
+
+* :mod:`~hybridkv.protocol.openai` - OpenAI's request bodies (pydantic) and their checks;
+* :mod:`~hybridkv.protocol.errors` - errors to HTTP statuses and OpenAI's error body;
+* :mod:`~hybridkv.protocol.kv_events` - vLLM's KV-event wire format (msgspec);
+* :mod:`~hybridkv.protocol.limits` - the request-size limit and the off-loop parsing pool.
+
+Importing this package imports none of them (each needs its extra: pydantic, msgspec).
+"""

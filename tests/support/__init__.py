@@ -1,0 +1,1 @@
+"""Helpers the test suite shares: tiny models and tokenizers, reference implementations, drivers."""
