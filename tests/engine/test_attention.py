@@ -208,3 +208,40 @@ def test_triton_backend_matches_dense(attn):
     _scenario(attn, 4, LONG, seed=5, num_blocks=200, outputs=[6, 0, 3, 7], backend="triton")
     _scenario(attn, 8, LONG, seed=6, sinks=True, softcap=2.0, num_blocks=100, outputs=[1, 4], backend="triton")
     _scenario(attn, 4, [(21, 1), (5, 1), (70, 1)], seed=8, sinks=True, num_blocks=100, backend="triton")
+
+
+# decodes of very different lengths: past DECODE_SPLIT_KEYS the decode bucket is split by key length
+DECODES = [(3, 1), (60, 1), (17, 1), (90, 1), (1, 1), (45, 1), (0, 9), (77, 1)]
+
+
+@pytest.mark.parametrize(
+    "attn",
+    [FULL, AttentionType("sliding", 16), AttentionType("chunked", 20)],
+    ids=lambda a: f"{a.kind}{a.size or ''}",
+)
+@pytest.mark.parametrize("split_keys", [8192, 40])
+def test_decodes_split_by_key_length_match_dense(monkeypatch, attn, split_keys):
+    import hybridkv.engine.attention_plan as plan
+
+    monkeypatch.setattr(plan, "DECODE_SPLIT_KEYS", split_keys)
+    layout = plan.build_layout(attn.kind, attn.size, [n for n, _ in DECODES], [q for _, q in DECODES], 4,
+                               torch.device("cpu"))
+    decode_buckets = [b for b in layout.buckets if b.q == 1]
+    if split_keys == 8192:
+        assert len(decode_buckets) == 1
+    elif attn.kind == "full":  # 1..91 keys: one bucket would pad 7 decodes to 91
+        assert len(decode_buckets) > 1
+    _scenario(attn, 4, DECODES, seed=11, num_blocks=200, outputs=[0, 3, 6])
+    _scenario(attn, 4, DECODES, seed=12, num_blocks=200, sinks=True)
+
+
+def test_scratch_gather_equals_a_fresh_one():
+    g = torch.Generator().manual_seed(3)
+    storage = PagedKVStorage([[0, 1]], 4, 30, H_KV, D)
+    slots = torch.arange(4, 120)
+    storage.write(0, slots, torch.randn(116, H_KV, D, generator=g), torch.randn(116, H_KV, D, generator=g))
+    storage.write(1, slots, torch.randn(116, H_KV, D, generator=g), torch.randn(116, H_KV, D, generator=g))
+    for layer, picked in ((0, slots[:10]), (1, slots.flip(0)), (0, slots[::3])):  # grows, then shrinks
+        want = storage.gather(layer, picked)
+        got = storage.gather(layer, picked, scratch=True)
+        assert got.shape == want.shape == (2 * H_KV, len(picked), D) and torch.equal(got, want)

@@ -299,7 +299,7 @@ def paged_attention(
     results = []
     for bucket, k_slots in zip(layout.buckets, slots):
         q = query if bucket.q_rows is None else query.index_select(0, bucket.q_rows)  # [B * Q, Hq, D]
-        kv = storage.gather(layer, k_slots)  # [2 Hkv, B * K, D]
+        kv = storage.gather(layer, k_slots, scratch=True)  # [2 Hkv, B * K, D], used before the next gather
         if manual or (bucket.q == 1 and bucket.num > 1):  # batched decodes: a padded key mask
             out = _attend_manual(q, kv, bucket, scale, sinks, softcap)
         else:  # prefill buckets, and one decode (which sees every key it gathered: no mask)

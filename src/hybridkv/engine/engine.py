@@ -48,7 +48,7 @@ from hybridkv.checkpoint import ModelSource
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheManagerConfig
 from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.engine.decode_graphs import DecodeGraphs
-from hybridkv.engine.host import fit_threads_to_affinity
+from hybridkv.engine.host import fit_threads_to_affinity, keep_freed_memory
 from hybridkv.engine.kernels import check_backend_name, resolve_backend
 from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation, torch_dtype
 from hybridkv.engine.layout import EngineLayout
@@ -173,6 +173,7 @@ class LLMEngine:
         check_quantization(config.quantization, config.device)  # before the model loads
         if torch.device(config.device).type == "cpu":
             fit_threads_to_affinity()
+            keep_freed_memory()
         if isinstance(model, CausalLM):
             if model.quantization != config.quantization:
                 raise InvalidConfigError(

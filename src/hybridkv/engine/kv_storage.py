@@ -164,6 +164,7 @@ class PagedKVStorage:
         self.num_slots = num_blocks * block_size
         # by_slot[j]: the same memory as [2 * num_kv_heads, num_slots, head_size]
         self._by_slot = [c.view(2 * num_kv_heads, self.num_slots, head_size) for c in self.kv_caches]
+        self._scratch: torch.Tensor | None = None  # gather(scratch=True)'s reused buffer
 
     @classmethod
     def from_kv_cache_config(
@@ -205,9 +206,23 @@ class PagedKVStorage:
         flat = self._by_slot[self._locate(layer)[1]].view(2, self.num_kv_heads, self.num_slots, self.head_size)
         return flat[0].transpose(0, 1), flat[1].transpose(0, 1)
 
-    def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """K and V of ``layer`` at ``slots`` [n]: ``[2 * H, n, D]`` (rows ``:H`` keys, ``H:`` values)."""
-        return self._by_slot[self._locate(layer)[1]].index_select(1, slots)
+    def gather(self, layer: int, slots: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+        """K and V of ``layer`` at ``slots`` [n]: ``[2 * H, n, D]`` (rows ``:H`` keys, ``H:`` values).
+
+        scratch: into one buffer the storage keeps (grown to the largest gather), valid until
+        the next scratch gather. A fresh multi-megabyte tensor per layer costs its page faults
+        every time (glibc maps large blocks anew): 62 MB of keys for 27 decodes of ~1,500
+        tokens took 31 ms fresh, 8 ms into the reused buffer.
+        """
+        source = self._by_slot[self._locate(layer)[1]]  # [2H, num_slots, D]
+        if not scratch:
+            return source.index_select(1, slots)
+        shape = (source.shape[0], slots.shape[0], source.shape[2])
+        need = shape[0] * shape[1] * shape[2]
+        if self._scratch is None or self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=self.dtype, device=self.device)
+        out = self._scratch[:need].view(shape)
+        return torch.index_select(source, 1, slots, out=out)
 
     def _locate(self, layer: int) -> tuple[int, int]:
         try:
