@@ -24,11 +24,21 @@ STOP_TIMEOUT = 60.0
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A port free on 127.0.0.1 now (for endpoints that must be known before a process binds them)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now, never one this process handed out before (for endpoints that
+    must be known before a process binds them: the OS may offer a just-closed port again, and a
+    cluster asks for nine at once)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no fresh free port in 100 tries")
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
