@@ -28,6 +28,7 @@ __all__ = [
     "completion_prompt_list",
     "valid_text",
     "unsupported",
+    "wire_finish_reason",
 ]
 
 Number = Union[StrictInt, StrictFloat]
@@ -178,3 +179,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         valid_text(m.role, "messages", f"message {i}'s role")
         messages.append({"role": m.role, "content": valid_text(content or "", "messages", f"message {i}'s content")})
     return messages
+
+
+def wire_finish_reason(reason: str | None) -> str | None:
+    """The finish reason on the wire (responses, metrics): the engine's ``"aborted"`` is vLLM's
+    ``"abort"``; ``"stop"``, ``"length"`` and None pass through."""
+    return "abort" if reason == "aborted" else reason

@@ -44,6 +44,7 @@ from typing import Any, Sequence
 
 from hybridkv.engine.llm import LLM, CompletionOutput, TextStream
 from hybridkv.errors import HybridKVError, InvalidArgumentError, ServiceUnavailableError
+from hybridkv.protocol.openai import wire_finish_reason
 from hybridkv.scheduler.interface import SamplingParams
 
 __all__ = ["AsyncLLM", "Chunk", "Submission", "TokenLogprob"]
@@ -416,7 +417,7 @@ class AsyncLLM:
                 num_prompt_tokens=len(out.prompt_token_ids),
                 num_output_tokens=len(out.output_token_ids),
                 num_cached_tokens=out.num_cached_tokens,
-                finish_reason="abort" if finish == "aborted" else finish,
+                finish_reason=wire_finish_reason(finish),
             )
         )
 

@@ -75,6 +75,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.utils import floatToGoString
 
 from hybridkv.errors import InvalidArgumentError
+from hybridkv.protocol.openai import wire_finish_reason
 
 if TYPE_CHECKING:
     from hybridkv.engine.engine import LLMEngine, RequestOutput
@@ -127,7 +128,7 @@ class FinishedRecord:
     def from_output(cls, output: RequestOutput, token_times: Iterable[float]) -> FinishedRecord:
         """The record of an engine :class:`~hybridkv.engine.engine.RequestOutput` (its
         ``"aborted"`` becomes vLLM's ``"abort"``) with the times its tokens went out."""
-        reason = "abort" if output.finish_reason == "aborted" else output.finish_reason
+        reason = wire_finish_reason(output.finish_reason)
         return cls(
             output.arrival_time,
             output.first_token_time,

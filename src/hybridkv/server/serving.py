@@ -37,6 +37,7 @@ from hybridkv.protocol.openai import (
     chat_messages,
     completion_prompt_list,
     unsupported,
+    wire_finish_reason,
 )
 from hybridkv.scheduler.interface import SamplingParams, check_context
 from hybridkv.server.async_llm import AsyncLLM, Chunk, Submission, TokenLogprob
@@ -335,7 +336,7 @@ def _reason(final) -> str | None:
     """OpenAI's finish reason of a choice's last chunk (None before it): vLLM's "abort" for ours "aborted"."""
     if final is None:
         return None
-    return "abort" if final.finish_reason == "aborted" else final.finish_reason
+    return wire_finish_reason(final.finish_reason)
 
 
 def _stop_reason(final) -> str | int | None:
