@@ -58,13 +58,15 @@ class _Broken(httpx.AsyncByteStream):
         raise httpx.ReadError("connection reset")
 
 
-def _run(fake, body, policy: str = "least-loaded", *, config: RouterConfig | None = None, n: int | None = None):
+def _run(fake, body, policy: str = "least-loaded", *, config: RouterConfig | None = None, n: int | None = None,
+         tokenizer=None):
     """``await body(client, router)`` through the router app over ``n`` (``fake.n``) fake
     replicas served by ``fake`` (an httpx.MockTransport handler)."""
     from hybridkv.router.app import create_router_app
 
     router = Router([ReplicaSpec(f"http://r{i}:8000") for i in range(fake.n if n is None else n)],
-                    config or RouterConfig(policy=policy, health_interval=60), transport=httpx.MockTransport(fake))
+                    config or RouterConfig(policy=policy, health_interval=60), tokenizer,
+                    transport=httpx.MockTransport(fake))
     app = create_router_app(router)
 
     async def main():
@@ -369,36 +371,26 @@ def test_bodies_over_the_limit_are_413_at_the_router():
 
 
 def test_the_router_tokenizes_off_the_event_loop_and_skips_huge_prompts():
-    from hybridkv.router.app import create_router_app
     from hybridkv.router.router import MAX_ROUTED_CHARS
 
     fake = FakeReplicas(2)
     tok = _SlowTokenizer()
-    router = Router([ReplicaSpec(f"http://r{i}:8000") for i in range(2)],
-                    RouterConfig(policy="hybrid", health_interval=60, max_request_bytes=8 * MAX_ROUTED_CHARS), tok,
-                    transport=httpx.MockTransport(fake))
-    app = create_router_app(router)
 
-    async def main():
-        await router.start()
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router",
-                                         timeout=30) as client:
-                job = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "slow one", "max_tokens": 2}))
-                while not tok.started.is_set():
-                    await asyncio.sleep(0.01)
-                waits = []
-                while not job.done():
-                    t0 = time.perf_counter()
-                    assert (await client.get("/health")).status_code == 200
-                    waits.append(time.perf_counter() - t0)
-                    await asyncio.sleep(0.05)
-                huge = await client.post("/v1/completions", json={"prompt": "b" * (MAX_ROUTED_CHARS + 1), "max_tokens": 2})
-                return await job, waits, huge
-        finally:
-            await router.stop()
+    async def body(client, router):
+        job = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "slow one", "max_tokens": 2}))
+        while not tok.started.is_set():
+            await asyncio.sleep(0.01)
+        waits = []
+        while not job.done():
+            t0 = time.perf_counter()
+            assert (await client.get("/health")).status_code == 200
+            waits.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.05)
+        huge = await client.post("/v1/completions", json={"prompt": "b" * (MAX_ROUTED_CHARS + 1), "max_tokens": 2})
+        return await job, waits, huge
 
-    slow, waits, huge = asyncio.run(main())
+    config = RouterConfig(policy="hybrid", health_interval=60, max_request_bytes=8 * MAX_ROUTED_CHARS)
+    slow, waits, huge = _run(fake, body, config=config, tokenizer=tok)
     assert slow.status_code == 200 and huge.status_code == 200
     assert len(waits) >= 5 and max(waits) < 0.5, waits
     assert huge.headers["x-hybridkv-predicted-hit"] == "0"

@@ -35,8 +35,8 @@ def add_max_request_bytes(parser) -> None:
     from hybridkv.protocol.limits import DEFAULT_MAX_REQUEST_BYTES
 
     parser.add_argument("--max-request-bytes", type=int_range(1), default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
-                        help=f"refuse request bodies larger than N bytes with 413 (default {DEFAULT_MAX_REQUEST_BYTES:,}: "
-                             "8 MiB)")
+                        help=f"refuse request bodies larger than N bytes with 413 (default "
+                             f"{DEFAULT_MAX_REQUEST_BYTES:,}: {DEFAULT_MAX_REQUEST_BYTES / 2**20:g} MiB)")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

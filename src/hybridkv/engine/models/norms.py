@@ -35,11 +35,6 @@ class RMSNorm(nn.Module):
         w = self.weight
         return (w.data_ptr(), w._version, w.dtype, w.device)
 
-    @property
-    def scale_in_fp32(self) -> bool:
-        """Whether HF multiplies by the weight before the down-cast (Gemma's ``1 + w``) or after (Llama's ``w``)."""
-        return self.unit_offset
-
     def scale(self) -> torch.Tensor:
         """``w`` or ``1 + w`` in fp32 [dim], remade only when the weight changed (loaded, moved, cast)."""
         w = self.weight
@@ -71,7 +66,8 @@ def rms_norm_heads(x: torch.Tensor, norms: Sequence[tuple[RMSNorm, int]], cache:
     first = norms[0][0]
     if any(n.eps != first.eps or n.unit_offset != first.unit_offset for n, _ in norms):
         raise ValueError("rms_norm_heads needs norms of one kind (eps, unit offset)")
-    in_fp32 = x.dtype == torch.float32 or first.scale_in_fp32
+    # HF multiplies before the down-cast with Gemma's ``1 + w`` (unit offset), after it with Llama's ``w``
+    in_fp32 = x.dtype == torch.float32 or first.unit_offset
     key = (tuple((n.weight_key(), c) for n, c in norms), in_fp32, x.dtype)
     if cache.get("key") != key:
         with torch.no_grad():
