@@ -136,3 +136,54 @@ def test_slow_preparation_runs_off_the_event_loop(tiny_llm, monkeypatch):
     assert slow_answer.status_code == 200
     assert len(waits) >= 5 and max(waits) < 0.5, waits
     assert free == usable
+
+
+def test_body_limit_on_random_sizes_and_chunkings():
+    """The middleware alone, over an app that echoes what it read: every body of at most the
+    limit arrives whole, byte for byte, however it was chunked (empty chunks, size 1, odd
+    sizes, declared or not); every larger one is a 413 and the app never runs."""
+    import random
+
+    from hybridkv.protocol.limits import BodyLimit
+
+    rng = random.Random(23)
+
+    async def echo(scope, receive, send):
+        got = b""
+        while True:
+            message = await receive()
+            got += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": got})
+
+    async def call(limit: int, body: bytes, sizes: list[int], declare: bool):
+        messages = []
+        at = 0
+        for n in sizes:
+            messages.append({"type": "http.request", "body": body[at : at + n], "more_body": True})
+            at += n
+        messages.append({"type": "http.request", "body": body[at:], "more_body": False})
+        headers = [(b"content-length", str(len(body)).encode())] if declare else []
+        sent = []
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        await BodyLimit(echo, limit)({"type": "http", "headers": headers}, receive, send)
+        return sent[0]["status"], sent[1]["body"]
+
+    for _ in range(300):
+        limit = rng.choice([1, 2, 7, 64, 1000, rng.randint(1, 5000)])
+        size = max(0, limit + rng.choice([-limit, -1, 0, 0, 1, 2, rng.randint(-limit, limit)]))
+        body = bytes(rng.randrange(256) for _ in range(size))
+        sizes = [rng.choice([0, 1, 3, rng.randint(0, size + 1)]) for _ in range(rng.randint(0, 6))]
+        status, got = asyncio.run(call(limit, body, sizes, rng.random() < 0.5))
+        if size <= limit:
+            assert (status, got) == (200, body)
+        else:
+            assert status == 413 and json.loads(got)["error"]["code"] == "request_too_large"
