@@ -147,6 +147,10 @@ class OursLane:
     def run(self, w: Workload) -> LaneRun:
         return run_ours(self.engine, w)
 
+    def release(self) -> None:
+        """Free the engine (its KV pool) once a pass is measured: lanes that wait hold only weights."""
+        self.engine = None
+
 
 def run_ours(engine: LLMEngine, w: Workload) -> LaneRun:
     """All requests at once, then ``step()`` to the end; a request's first token is stamped
@@ -182,20 +186,28 @@ def single_pass(lane, w: Workload, long_prompt: list[int]) -> dict:
     gc.collect()
     runs = [lane.run(Workload([p], [m])) for p, m in zip(w.prompts, w.max_tokens)]
     long = lane.run(Workload([long_prompt], [1]))
+    release(lane)
     decode = [r.total - r.ttft[0] for r in runs]
     return {"decode_tok_s": sum(len(r.tokens[0]) - 1 for r in runs) / sum(decode),
             "ttft_p50_s": percentile([r.ttft[0] for r in runs], 0.5), "ttft_long_s": long.ttft[0],
             "ttft_s": [r.ttft[0] for r in runs], "decode_s": decode, "tokens": [r.tokens[0] for r in runs]}
 
 
+def release(lane) -> None:
+    """After a pass: the lane frees what only a running pass needs."""
+    getattr(lane, "release", lambda: None)()
+    gc.collect()
+
+
 def concurrent_pass(lane, w: Workload) -> dict:
     lane.reset()
     gc.collect()
     r = lane.run(w)
+    kv = lane.engine.kv_summary() if isinstance(lane, OursLane) else None
+    release(lane)
     out = {"tok_s": w.output_tokens / r.total, "total_s": r.total, "ttft_mean_s": statistics.fmean(r.ttft),
            "ttft_p50_s": percentile(r.ttft, 0.5), "ttft_p99_s": percentile(r.ttft, 0.99), "tokens": r.tokens}
-    if isinstance(lane, OursLane):
-        kv = lane.engine.kv_summary()
+    if kv is not None:
         out["kv_peak_mib"] = kv.peak_bytes / 2**20
     return out
 
@@ -338,6 +350,7 @@ def warm_up(lanes: dict[str, dict], wl: dict) -> None:
         for lane in by_name.values():
             lane.reset()
             lane.run(Workload([text[8 * i : 8 * i + 48] for i in range(n)], [3] * n))
+            release(lane)
 
 
 def bench_model(model: str, args, size: dict, llama_cpp) -> dict:

@@ -362,10 +362,10 @@ class CausalLM(nn.Module):
         keep = meta.output_rows()  # [N] or None
         hidden = self.embed(input_ids)
         rope = {name: r.tables(positions, hidden.dtype) for name, r in self.rotaries.items()}  # once per step
-        layers = self.model.layers
-        for layer in layers[:-1]:
+        *layers, last = self.model.layers  # (slicing a ModuleList builds a new one each step)
+        for layer in layers:
             hidden = layer(hidden, positions, rope, meta)
-        hidden = layers[-1](hidden, positions, rope, meta, keep=keep)
+        hidden = last(hidden, positions, rope, meta, keep=keep)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -260,10 +260,10 @@ class Qwen3NextForCausalLM(CausalLM):
         keep = meta.output_rows()
         hidden = self.embed(input_ids)
         rope = {name: r.tables(positions, hidden.dtype) for name, r in self.rotaries.items()}
-        layers = self.model.layers
-        for layer in layers[:-1]:
+        *layers, last = self.model.layers
+        for layer in layers:
             hidden = layer(hidden, positions, rope, meta, state)
-        hidden = layers[-1](hidden, positions, rope, meta, state, keep=keep)
+        hidden = last(hidden, positions, rope, meta, state, keep=keep)
         return self.model.norm(hidden)
 
 
