@@ -3,7 +3,7 @@
     python3 benchmarks/bench_route.py [--quick] [--model NAME|DIR] [--replicas 3] [--rounds 2]
                                       [--policies round-robin,least-loaded,full-only,hybrid,oracle]
                                       [--clients 6] [--open 4] [--conversations 48] [--turns 5]
-                                      [--num-blocks N[,N...]] [--max-imbalance 2] [--decompose]
+                                      [--num-blocks N[,N...]] [--max-imbalance 2] [--max-share-ratio 1.5] [--decompose]
                                       [--systems 3] [--no-route-cost]
 
 One seeded workload goes through ``hybridkv route`` with each policy in turn:
@@ -40,10 +40,13 @@ usage chunk gives ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens`` 
 the replica obtained); the router's headers give the replica and the predicted hit.
 Printed per policy (all rounds pooled): hit tokens obtained (and % of prompt tokens),
 predicted, false residency = sum(max(0, predicted - obtained)) (and % of predicted), mean
-TTFT, requests/s and output tokens/s; then the targets: hybrid >= 95% of the oracle's
-obtained hits, strictly more than full-only, false residency < 1% of predicted. Last, the
-router's own cost (``benchmarks/route_cost.py``): µs per routing decision at 8 replicas x
-100k indexed blocks each.
+TTFT, requests/s and output tokens/s, requests per replica and how often a chat moved to
+another replica; then the targets (issue 23): hybrid obtains at least full-only's hit tokens
+in every round and >= 0.93x the oracle's (median of the rounds), with a mean TTFT at most
+1.1x least-loaded's; with ``--decompose`` the index's error at the decision <= 1 % of the
+predicted hit tokens, and what was lost after the decision beside it. Last, the router's own
+cost (``benchmarks/route_cost.py``): µs per routing decision at 8 replicas x 100k indexed
+blocks each.
 
 Where predicted hit tokens went: the replicas log each finished request's hits (``serve
 --log-level debug``: when queued, at the first and last admission; joined to the response
@@ -60,6 +63,10 @@ side by side. The pool size sets the regime: a small pool (the working set sever
 the pool) evicts sliding-window blocks that a full-only index still counts, and also
 evicts, within the tens of milliseconds a request spends between the router and the
 replica's scheduler on this 2-core machine, hits that even the oracle saw.
+
+``--max-share-ratio`` (default ``route``'s, 1.5): the balance rule (``router/balance.py``): a
+replica whose share of the last ~64 decisions exceeds 1.5x the least-served replica's is
+passed over for hits (0: no rule, as before issue 23).
 
 ``--max-imbalance`` (default 2): a hit may put at most this many more in-flight requests on
 a replica than on the least loaded. With 6 clients over 3 replicas (2 each on average) a
@@ -99,6 +106,8 @@ from _tiny_model import tiny_model_dir  # noqa: E402
 sys.path.insert(0, str(ROOT))  # tests/support: the process harness and port helper the tests use
 from tests.support.processes import HybridkvProcess, free_port  # noqa: E402
 
+from hybridkv.router.balance import DEFAULT_MAX_SHARE_RATIO  # noqa: E402
+
 POLICIES = ("round-robin", "least-loaded", "full-only", "hybrid", "oracle")
 READY_TIMEOUT = 300.0
 STOP_TIMEOUT = 30.0
@@ -125,6 +134,7 @@ class Setup:
     threads: int
     decompose: bool = False
     queued_prefix: str = "refresh"
+    max_share_ratio: float = DEFAULT_MAX_SHARE_RATIO
 
     def start_replica(self) -> tuple[HybridkvProcess, str]:
         http, pub, replay = free_port(), free_port(), free_port()  # known before it binds: the router starts alongside
@@ -152,6 +162,7 @@ class Cluster:
             specs = [spec for _, spec in started]
             self.router = start_process("route", ["--model", setup.model, "--port", "0", "--policy", policy,
                                          "--max-imbalance", str(setup.max_imbalance), "--health-interval", "0.25",
+                                         "--max-share-ratio", str(setup.max_share_ratio),
                                          "--log-level", "info",
                                          *(["--shadow-peek"] if setup.decompose and policy in ("hybrid", "full-only")
                                            else []),
@@ -283,6 +294,13 @@ class PolicyRun:
         if not self.recs or any(r.resident is None for r in self.recs):
             return None
         return sum(max(0, r.predicted - r.resident) for r in self.recs)
+
+    @property
+    def lost_after_decision(self) -> int | None:
+        """Predicted hit tokens the replica held at the decision but did not give (transit, queue)."""
+        if not self.recs or any(r.resident is None for r in self.recs):
+            return None
+        return sum(max(0, min(r.predicted, r.resident) - r.obtained) for r in self.recs)
 
 
 async def _one(client, messages: list[dict], max_tokens: int) -> tuple[str, int, dict | None, float, int | None, str]:
@@ -429,13 +447,35 @@ def summary(verdicts: dict[int, dict]) -> None:
     def pct(v):
         return "-" if v is None else f"{100 * v:.1f}%"
 
-    print(f"\n{'blocks':>6} {'hybrid/oracle':>13} {'hybrid - full-only per round':>30} {'hybrid false':>12} "
-          f"{'index error':>11} {'oracle false':>12}")
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    print(f"\n{'blocks':>6} {'hybrid/oracle':>13} {'hybrid - full-only per round':>30} {'TTFT vs least-loaded':>20} "
+          f"{'index error':>11} {'lost after decision':>19} {'hybrid false':>12}")
     for n, v in verdicts.items():
-        ratio = v.get("hybrid_over_oracle")
-        print(f"{n:>6} {'-' if ratio is None else f'{ratio:.3f}':>13} {str(v.get('hybrid_minus_full_only_rounds', '-')):>30} "
-              f"{pct(v.get('hybrid_false_residency')):>12} {pct(v.get('hybrid_index_false_residency')):>11} "
-              f"{pct(v.get('oracle_false_residency')):>12}")
+        print(f"{n:>6} {num(v.get('hybrid_over_oracle'), '.3f'):>13} "
+              f"{str(v.get('hybrid_minus_full_only_rounds', '-')):>30} {num(v.get('hybrid_ttft_over_least_loaded'), '.2f'):>20} "
+              f"{pct(v.get('hybrid_index_false_residency')):>11} {pct(v.get('hybrid_lost_after_decision')):>19} "
+              f"{pct(v.get('hybrid_false_residency')):>12}")
+    checks = {"hybrid >= full-only every round": [min(v["hybrid_minus_full_only_rounds"]) >= 0 for v in verdicts.values()
+                                                  if "hybrid_minus_full_only_rounds" in v],
+              "hybrid >= 0.93x oracle": [v["hybrid_over_oracle"] >= 0.93 for v in verdicts.values()
+                                         if "hybrid_over_oracle" in v],
+              "mean TTFT <= 1.1x least-loaded": [v["hybrid_ttft_over_least_loaded"] <= 1.1 for v in verdicts.values()
+                                                  if "hybrid_ttft_over_least_loaded" in v],
+              "index error <= 1%": [v["hybrid_index_false_residency"] <= 0.01 for v in verdicts.values()
+                                    if "hybrid_index_false_residency" in v]}
+    print("targets over the sweep: " + "; ".join(f"{k}: {sum(ok)}/{len(ok)} pool sizes" for k, ok in checks.items() if ok))
+
+
+def moves(recs: list[Rec]) -> int:
+    """Turns that went to another replica than their chat's previous turn."""
+    last: dict[int, str] = {}
+    n = 0
+    for r in sorted(recs, key=lambda r: (r.conv, r.turn)):
+        n += r.conv in last and last[r.conv] != r.replica
+        last[r.conv] = r.replica
+    return n
 
 
 def report(runs: dict[str, list[PolicyRun]], rounds: int) -> dict:
@@ -453,9 +493,10 @@ def report(runs: dict[str, list[PolicyRun]], rounds: int) -> dict:
         spread: dict[str, int] = {}
         for r in recs:
             spread[r.replica] = spread.get(r.replica, 0) + 1
+        moved = sum(moves(run.recs) for run in rs)
         print(f"{policy:12} {len(recs):>8} {prompt:>10} {obtained:>11} ({_pct(obtained, prompt)}) {predicted:>13} "
               f"{false:>11} ({_pct(false, predicted)}) {ttft * 1e3:>7.1f} ms {len(recs) / wall:>7.2f} {out / wall:>9.1f}"
-              f"  {' '.join(f'{k}:{v}' for k, v in sorted(spread.items()))}")
+              f"  {' '.join(f'{k}:{v}' for k, v in sorted(spread.items()))}; {moved} chat moves")
     decomposition(runs)
     verdict: dict = {}
     if "hybrid" in runs:
@@ -465,8 +506,8 @@ def report(runs: dict[str, list[PolicyRun]], rounds: int) -> dict:
                       for h, o in zip(hyb, runs["oracle"])]
             verdict["hybrid_over_oracle"] = statistics.median(ratios)
             print(f"hybrid / oracle obtained hit tokens: median {verdict['hybrid_over_oracle']:.3f} over {rounds} "
-                  f"rounds {[round(x, 3) for x in ratios]} (target >= 0.95: "
-                  f"{'met' if verdict['hybrid_over_oracle'] >= 0.95 else 'MISSED'})")
+                  f"rounds {[round(x, 3) for x in ratios]} (target >= 0.93: "
+                  f"{'met' if verdict['hybrid_over_oracle'] >= 0.93 else 'MISSED'})")
         if "full-only" in runs:
             diffs = [h.total("obtained") - f.total("obtained") for h, f in zip(hyb, runs["full-only"])]
             ratios = [h.total("obtained") / f.total("obtained") if f.total("obtained") else float("nan")
@@ -474,8 +515,14 @@ def report(runs: dict[str, list[PolicyRun]], rounds: int) -> dict:
             verdict["hybrid_minus_full_only"] = statistics.median(diffs)
             verdict["hybrid_minus_full_only_rounds"] = diffs
             print(f"hybrid - full-only obtained hit tokens: median {statistics.median(diffs):+.0f} "
-                  f"({statistics.median(ratios):.3f}x) per round {diffs} (target > 0: "
-                  f"{'met' if min(diffs) > 0 else 'MISSED' if max(diffs) <= 0 else 'met in some rounds'})")
+                  f"({statistics.median(ratios):.3f}x) per round {diffs} (target >= 0 in every round: "
+                  f"{'met' if min(diffs) >= 0 else 'MISSED' if max(diffs) < 0 else 'met in some rounds'})")
+        if "least-loaded" in runs:
+            def mean_ttft(rs):
+                return statistics.fmean(r.ttft for run in rs for r in run.recs)
+            ratio = mean_ttft(hyb) / mean_ttft(runs["least-loaded"])
+            verdict["hybrid_ttft_over_least_loaded"] = ratio
+            print(f"hybrid mean TTFT / least-loaded's: {ratio:.2f} (target <= 1.10: {'met' if ratio <= 1.1 else 'MISSED'})")
         pred = sum(r.total("predicted") for r in hyb)
         false = sum(r.false_residency for r in hyb)
         verdict["hybrid_false_residency"] = false / pred if pred else 0.0
@@ -493,8 +540,12 @@ def report(runs: dict[str, list[PolicyRun]], rounds: int) -> dict:
             if idx and all(x is not None for x in idx):
                 p_ = sum(r.total("predicted") for r in runs[name])
                 verdict[f"{name}_index_false_residency"] = sum(idx) / p_ if p_ else 0.0
-                print(f"{name} index false residency (--decompose: predicted but not held by the replica at the "
-                      f"decision): {sum(idx)} of {p_} = {_pct(sum(idx), p_).strip()}")
+                after = sum(run.lost_after_decision for run in runs[name])
+                verdict[f"{name}_lost_after_decision"] = after / p_ if p_ else 0.0
+                print(f"{name} index error (--decompose: predicted but not held by the replica at the decision): "
+                      f"{sum(idx)} of {p_} = {_pct(sum(idx), p_).strip()}"
+                      + (f" (target <= 1%: {'met' if sum(idx) <= 0.01 * p_ else 'MISSED'})" if name == "hybrid" else "")
+                      + f"; lost after the decision (transit, queue): {after} = {_pct(after, p_).strip()}")
     return verdict
 
 
@@ -518,6 +569,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-imbalance", type=int, default=2)
+    ap.add_argument("--max-share-ratio", type=float, default=DEFAULT_MAX_SHARE_RATIO,
+                    help="route --max-share-ratio: the balance rule (a replica's share of recent decisions over the "
+                         f"least-served one's; 0: none; default {DEFAULT_MAX_SHARE_RATIO:g}, route's)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="PATH", help="also write every request's record here")
@@ -551,12 +605,12 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or tiny_model_dir(Path(tmp))
         for num_blocks in sizes:
             setup = Setup(model, args.replicas, args.block_size, num_blocks, args.max_num_seqs, args.max_model_len,
-                          args.max_imbalance, args.threads, args.decompose, args.queued_prefix)
+                          args.max_imbalance, args.threads, args.decompose, args.queued_prefix, args.max_share_ratio)
             print(f"\nmodel {model if args.model else 'tiny gemma3 (sliding window 12 + full)'}; {args.replicas} "
                   f"replicas, block {args.block_size}, {num_blocks} blocks each, max_num_seqs {args.max_num_seqs}; "
                   f"{args.systems} system prompts, {conversations} chats x {turns} turns = {work.num_requests} requests, "
                   f"{args.clients} clients x {args.open} open chats, {args.max_tokens} new tokens; "
-                  f"--max-imbalance {args.max_imbalance}; {rounds} round(s), policies rotated each round", flush=True)
+                  f"--max-imbalance {args.max_imbalance}, --max-share-ratio {args.max_share_ratio:g}; {rounds} round(s), policies rotated each round", flush=True)
             runs: dict[str, list[PolicyRun]] = {p: [] for p in policies}
             t0 = time.perf_counter()
             for rnd in range(rounds):

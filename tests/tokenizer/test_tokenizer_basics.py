@@ -189,3 +189,23 @@ def test_import_is_light():
     code = "import sys, hybridkv.tokenizer; print(sorted(m for m in ('torch', 'tokenizers', 'jinja2') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_check_token_ids_refuses_exactly_what_is_not_an_id(seed):
+    """The one token-id rule (engine, server): ints in [0, vocab); bools, floats, strings,
+    negatives and ids past the vocabulary are refused, naming the parameter."""
+    import random
+
+    from hybridkv.errors import InvalidArgumentError
+    from hybridkv.tokenizer.prompts import check_token_ids
+
+    rng = random.Random(seed)
+    vocab = rng.randint(1, 300)
+    ids = [rng.randrange(vocab) for _ in range(rng.randint(0, 50))]
+    check_token_ids(ids, vocab)  # fine
+    bad = rng.choice([-1, vocab, vocab + 7, 10**30, True, False, 1.0, "3", None])
+    ids.insert(rng.randint(0, len(ids)), bad)
+    with pytest.raises(InvalidArgumentError, match=r"token ids must be ints in \[0, ") as err:
+        check_token_ids(ids, vocab, param="prompt")
+    assert err.value.param == "prompt"

@@ -45,7 +45,7 @@ from hybridkv.errors import InvalidArgumentError
 from hybridkv.planner.architectures import language_model_config
 from hybridkv.planner.presets import load_model_config
 from hybridkv.planner.sizes import format_bytes
-from hybridkv.scheduler.interface import SamplingParams
+from hybridkv.sampling_params import SamplingParams
 
 __all__ = ["add_parser", "add_engine_options", "engine_config", "run", "parse_prompt_ids", "read_prompts_file"]
 

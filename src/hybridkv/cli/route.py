@@ -29,6 +29,7 @@ PREFIX = "hybridkv route"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from hybridkv.router.balance import DEFAULT_MAX_SHARE_RATIO, DEFAULT_SHARE_WINDOW
     from hybridkv.router.policy import PolicyName
 
     p = subparsers.add_parser("route", help="route OpenAI requests across replicas by their KV cache",
@@ -46,6 +47,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-imbalance", type=int_range(0), default=8,
                    help="a hit may send at most this many more in-flight requests to a replica than to the least "
                         "loaded (default 8)")
+    p.add_argument("--max-share-ratio", type=finite_float(0.0), default=DEFAULT_MAX_SHARE_RATIO,
+                   help="balance: a replica whose share of the last --share-window decisions exceeds this multiple of "
+                        f"the least-served replica's is passed over for hits; 0: no such rule (default "
+                        f"{DEFAULT_MAX_SHARE_RATIO:g})")
+    p.add_argument("--share-window", type=int_range(1), default=DEFAULT_SHARE_WINDOW,
+                   help=f"about how many recent decisions the shares count (default {DEFAULT_SHARE_WINDOW})")
     p.add_argument("--health-interval", type=finite_float(0.0, low_open=True), default=1.0,
                    help="seconds between replica health probes (default 1)")
     p.add_argument("--events-timeout", type=finite_float(0.0, low_open=True), default=5.0,
@@ -84,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
     require_server_dependencies(any(s.events for s in specs), command="route", extra=("httpx",))
     from hybridkv.router.router import Router, RouterConfig
 
-    config = RouterConfig(policy=args.policy, max_imbalance=args.max_imbalance, health_interval=args.health_interval,
+    config = RouterConfig(policy=args.policy, max_imbalance=args.max_imbalance,
+                          max_share_ratio=args.max_share_ratio or None, share_window=args.share_window,
+                          health_interval=args.health_interval,
                           events_timeout=args.events_timeout, shadow_peek=args.shadow_peek,
                           max_request_bytes=args.max_request_bytes)
     tokenizer = _tokenizer(args.model)

@@ -59,10 +59,11 @@ from hybridkv.engine.models.quantize import check_quantization
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.state_runner import StateRunner
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, UnknownRequestError
+from hybridkv.tokenizer.prompts import check_token_ids
 from hybridkv.planner.grouping import Grouping
 from hybridkv.planner.sizes import parse_bytes
 from hybridkv.scheduler.config import SchedulerConfig
-from hybridkv.scheduler.interface import SamplingParams
+from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.scheduler import Scheduler
 from hybridkv.scheduler.sequence import FinishReason, Sequence as Seq
 
@@ -268,10 +269,7 @@ class LLMEngine:
     ) -> str:
         """Queue a prompt; returns its request id. Bad input raises before anything is queued."""
         prompt = list(prompt_token_ids)
-        vocab = self.model.vocab_size
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgumentError(f"token ids must be ints in [0, {vocab}); got {bad[:5]}")
+        check_token_ids(prompt, self.model.vocab_size)
         if not prompt:
             raise InvalidArgumentError("the prompt is empty")
         if sampling is not None and not isinstance(sampling, SamplingParams):

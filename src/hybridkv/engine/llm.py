@@ -32,7 +32,7 @@ from typing import Any, Iterator, Sequence
 from hybridkv.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.errors import InvalidArgumentError
-from hybridkv.scheduler.interface import SamplingParams, check_context
+from hybridkv.sampling_params import SamplingParams, check_context
 from hybridkv.tokenizer.prompts import Prompt, _need_tokenizer, checkpoint_tokenizer, encode_prompt
 
 __all__ = ["LLM", "CompletionOutput", "TextDelta", "TextStream", "Prompt", "checkpoint_tokenizer", "encode_prompt"]

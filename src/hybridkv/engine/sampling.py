@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from hybridkv.scheduler.interface import SamplingParams
+from hybridkv.sampling_params import SamplingParams
 
 __all__ = ["Sampler", "filtered_probs", "step_seed"]
 

@@ -13,9 +13,11 @@
 | oracle         | each replica's own manager, asked over HTTP (``/kv_cache/peek``)   |
 
 The hit-ranking policies share one rule (:func:`pick`): among replicas whose in-flight
-count is at most the least loaded one's plus ``max_imbalance``, take the largest hit;
-ties go to the less loaded, then in turn. So a cache hit wins unless following it would
-pile more than ``max_imbalance`` requests onto one replica beyond the least loaded.
+count is at most the least loaded one's plus ``max_imbalance``, and whose share of the
+recent decisions is within ``max_share_ratio`` times the fair share (:mod:`~hybridkv.router.balance`),
+take the largest hit; ties go to the less loaded, then in turn. So a cache hit wins unless
+following it would pile more than ``max_imbalance`` requests onto one replica beyond the
+least loaded, or keep sending one replica more than its share of the traffic.
 
 ``hybrid`` breaks ties in hit by the full-attention groups' hit first: among replicas
 that offer the same hit, the one still holding the conversation's chain (though the
@@ -32,9 +34,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
-from typing import Awaitable, Callable, Protocol, Sequence
+from typing import Awaitable, Callable, Collection, Protocol, Sequence
 
 from hybridkv.errors import InvalidConfigError
+from hybridkv.router.balance import Balance, RecentShares
 from hybridkv.router.replica import Replica
 
 __all__ = ["Policy", "PolicyName", "make_policy", "pick"]
@@ -57,17 +60,23 @@ class Policy(Protocol):
 
 
 def pick(replicas: Sequence[Replica], hits: Sequence[int], max_imbalance: int, turn: int,
-         affinity: Callable[[int], int] | None = None) -> tuple[Replica, int]:
+         affinity: Callable[[int], int] | None = None, passed_over: Collection[str] = (),
+         share: Callable[[str], float] | None = None) -> tuple[Replica, int]:
     """The module docstring's rule. ``affinity(i)`` (optional), asked only of the replicas
-    that tie for the largest eligible hit, breaks that tie before load; ``turn`` rotates
-    among full ties."""
+    that tie for the largest eligible hit, breaks that tie before load; ``passed_over``:
+    names of replicas not eligible (over their share of recent decisions:
+    :mod:`~hybridkv.router.balance`), unless that leaves none; ``share(name)`` (optional),
+    that share, breaks ties in load (the smaller first); ``turn`` rotates among full ties."""
     least = min(r.in_flight for r in replicas)
     n = len(replicas)
     order = [i for i in ((turn + k) % n for k in range(n)) if replicas[i].in_flight <= least + max_imbalance]
+    if passed_over:
+        order = [i for i in order if replicas[i].name not in passed_over] or order
     top = max(hits[i] for i in order)
     tied = [i for i in order if hits[i] == top]
     ranked = {i: affinity(i) for i in tied} if affinity is not None and len(tied) > 1 else {}
-    i = max(tied, key=lambda i: (ranked.get(i, 0), -replicas[i].in_flight))  # the first of equals: turn order
+    shares = {i: share(replicas[i].name) for i in tied} if share is not None and len(tied) > 1 else {}
+    i = max(tied, key=lambda i: (ranked.get(i, 0), -replicas[i].in_flight, -shares.get(i, 0.0)))  # equals: in turn
     return replicas[i], hits[i]
 
 
@@ -75,12 +84,15 @@ class _Ranked:
     """A policy that ranks by a per-replica hit (sync or async)."""
 
     def __init__(self, name: PolicyName, hit: Callable[[Replica, Sequence[int]], int | Awaitable[int]] | None,
-                 max_imbalance: int, affinity: Callable[[Replica, Sequence[int]], int] | None = None) -> None:
+                 max_imbalance: int, affinity: Callable[[Replica, Sequence[int]], int] | None = None,
+                 balance: Balance | None = None) -> None:
         self.name = name
         self._hit = hit
         self._affinity = affinity
         self.max_imbalance = max_imbalance
         self._turn = itertools.count()
+        #: recent decisions per replica (None: hits rank every replica within ``max_imbalance``)
+        self.shares = RecentShares(balance) if balance is not None and balance.max_share_ratio is not None else None
 
     async def choose(self, token_ids, replicas):
         turn = next(self._turn)
@@ -94,7 +106,13 @@ class _Ranked:
             hits = list(values)
             if self._affinity is not None:
                 affinity = lambda i: self._affinity(replicas[i], token_ids)  # noqa: E731
-        return pick(replicas, hits, self.max_imbalance, turn, affinity)
+        shares = self.shares
+        over = shares.over([r.name for r in replicas]) if shares is not None else ()
+        replica, hit = pick(replicas, hits, self.max_imbalance, turn, affinity, over,
+                            shares.share if shares is not None else None)
+        if shares is not None:
+            shares.record(replica.name)
+        return replica, hit
 
 
 class _RoundRobin:
@@ -107,23 +125,26 @@ class _RoundRobin:
         return replicas[next(self._turn) % len(replicas)], 0
 
 
-def make_policy(name: str, *, max_imbalance: int = 8,
+def make_policy(name: str, *, max_imbalance: int = 8, balance: Balance | None = Balance(),
                 oracle: Callable[[Replica, Sequence[int]], Awaitable[int]] | None = None) -> Policy:
-    """The policy called ``name``; ``oracle`` asks a replica for its hit (the oracle policy)."""
+    """The policy called ``name``; ``balance``: the share rule of the hit-ranking policies
+    (None: none); ``oracle`` asks a replica for its hit (the oracle policy)."""
     try:
         kind = PolicyName(name)
     except ValueError:
         raise InvalidConfigError(f"unknown policy {name!r}; expected one of {[p.value for p in PolicyName]}") from None
     if isinstance(max_imbalance, bool) or not isinstance(max_imbalance, int) or max_imbalance < 0:
         raise InvalidConfigError(f"max_imbalance must be an int >= 0, got {max_imbalance!r}")
+    if balance is not None and not isinstance(balance, Balance):
+        raise InvalidConfigError(f"balance must be a Balance or None, got {balance!r}")
     if kind is PolicyName.ROUND_ROBIN:
         return _RoundRobin()
     if kind is PolicyName.LEAST_LOADED:
         return _Ranked(kind, None, 0)
     if kind is PolicyName.FULL_ONLY:
-        return _Ranked(kind, Replica.score_full_only, max_imbalance)
+        return _Ranked(kind, Replica.score_full_only, max_imbalance, balance=balance)
     if kind is PolicyName.HYBRID:
-        return _Ranked(kind, Replica.score, max_imbalance, affinity=Replica.score_full_only)
+        return _Ranked(kind, Replica.score, max_imbalance, affinity=Replica.score_full_only, balance=balance)
     if oracle is None:
         raise InvalidConfigError("the oracle policy needs a way to ask replicas")
-    return _Ranked(kind, oracle, max_imbalance)
+    return _Ranked(kind, oracle, max_imbalance, balance=balance)

@@ -35,6 +35,7 @@ import httpx
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, ServiceUnavailableError
 from hybridkv.protocol.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_request_bytes
 from hybridkv.router.index import Prompt
+from hybridkv.router.balance import DEFAULT_MAX_SHARE_RATIO, DEFAULT_SHARE_WINDOW, Balance
 from hybridkv.router.policy import make_policy
 from hybridkv.router.replica import Replica, ReplicaSpec
 
@@ -52,6 +53,10 @@ MAX_ROUTED_CHARS = 1 << 20
 class RouterConfig:
     policy: str = "hybrid"
     max_imbalance: int = 8
+    #: hit-ranking policies pass over a replica whose share of the last ~``share_window`` decisions
+    #: exceeds this multiple of the least-served one's (None: no share rule): :mod:`~hybridkv.router.balance`
+    max_share_ratio: float | None = DEFAULT_MAX_SHARE_RATIO
+    share_window: int = DEFAULT_SHARE_WINDOW
     health_interval: float = 1.0  # seconds between /health probes
     probe_timeout: float = 2.0
     events_timeout: float = 5.0  # seconds after a response by which its events must have arrived
@@ -69,7 +74,11 @@ class RouterConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise InvalidConfigError(f"{name} must be a number > 0, got {value!r}")
-        make_policy(self.policy, max_imbalance=self.max_imbalance, oracle=_no_oracle)  # checks both
+        make_policy(self.policy, max_imbalance=self.max_imbalance, balance=self.balance, oracle=_no_oracle)  # checks
+
+    @property
+    def balance(self) -> Balance:
+        return Balance(self.max_share_ratio, self.share_window)
 
 
 async def _no_oracle(replica, ids):  # pragma: no cover - only for the config check
@@ -89,7 +98,8 @@ class Router:
         self.config = config
         self.tokenizer = tokenizer
         self.replicas = [Replica(f"r{i}", s) for i, s in enumerate(specs)]
-        self.policy = make_policy(config.policy, max_imbalance=config.max_imbalance, oracle=self._peek)
+        self.policy = make_policy(config.policy, max_imbalance=config.max_imbalance, balance=config.balance,
+                                  oracle=self._peek)
         self.client: httpx.AsyncClient | None = None
         self._transport = transport  # tests: fake replicas (httpx.MockTransport)
         self._streams: list[Any] = []

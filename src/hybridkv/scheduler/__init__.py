@@ -2,7 +2,8 @@
 
 from hybridkv.scheduler.config import SchedulerConfig
 from hybridkv.scheduler.fake_runner import FakeRunner, fake_token
-from hybridkv.scheduler.interface import ModelRunner, SamplingParams, ScheduledRequest, SchedulerOutput
+from hybridkv.sampling_params import SamplingParams
+from hybridkv.scheduler.interface import ModelRunner, ScheduledRequest, SchedulerOutput
 from hybridkv.scheduler.scheduler import Scheduler
 from hybridkv.scheduler.sequence import FinishReason, Sequence, SequenceStatus
 

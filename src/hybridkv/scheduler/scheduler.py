@@ -47,7 +47,8 @@ from hybridkv.errors import (
     UnknownRequestError,
 )
 from hybridkv.scheduler.config import SchedulerConfig
-from hybridkv.scheduler.interface import ModelRunner, SamplingParams, ScheduledRequest, SchedulerOutput
+from hybridkv.sampling_params import SamplingParams
+from hybridkv.scheduler.interface import ModelRunner, ScheduledRequest, SchedulerOutput
 from hybridkv.scheduler.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = ["Scheduler"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 from hybridkv.core.request import Request
-from hybridkv.scheduler.interface import SamplingParams
+from hybridkv.sampling_params import SamplingParams
 
 __all__ = ["Sequence", "SequenceStatus", "FinishReason"]
 

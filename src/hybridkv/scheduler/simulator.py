@@ -21,7 +21,7 @@ from hybridkv.core.usage import usable_blocks
 from hybridkv.errors import PoolTooSmallError
 from hybridkv.scheduler.config import SchedulerConfig
 from hybridkv.scheduler.fake_runner import FakeRunner
-from hybridkv.scheduler.interface import SamplingParams
+from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.scheduler import Scheduler
 from hybridkv.scheduler.workloads import TraceRequest
 

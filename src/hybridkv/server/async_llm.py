@@ -45,7 +45,7 @@ from typing import Any, Sequence
 from hybridkv.engine.llm import LLM, CompletionOutput, TextStream
 from hybridkv.errors import HybridKVError, InvalidArgumentError, ServiceUnavailableError
 from hybridkv.protocol.openai import wire_finish_reason
-from hybridkv.scheduler.interface import SamplingParams
+from hybridkv.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "Chunk", "Submission", "TokenLogprob"]
 

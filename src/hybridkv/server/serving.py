@@ -39,10 +39,10 @@ from hybridkv.protocol.openai import (
     unsupported,
     wire_finish_reason,
 )
-from hybridkv.scheduler.interface import SamplingParams, check_context
+from hybridkv.sampling_params import SamplingParams, check_context
 from hybridkv.server.async_llm import AsyncLLM, Chunk, Submission, TokenLogprob
 from hybridkv.server.config import ServerConfig
-from hybridkv.tokenizer.prompts import encode_prompt, min_tokens
+from hybridkv.tokenizer.prompts import check_token_ids, encode_prompt, min_tokens
 
 __all__ = ["OpenAIServing", "sse"]
 
@@ -92,43 +92,30 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ parsing
     def _sampling(self, req, prompt_len: int, default_max: int | None) -> SamplingParams:
+        """The request's sampling parameters in OpenAI's meanings (temperature 1 and no
+        ``max_tokens``: the rest of the context, unless ``default_max``); SamplingParams checks
+        each range and names the parameter, check_context the fit."""
         max_tokens = req.max_tokens
         if getattr(req, "max_completion_tokens", None) is not None:
             max_tokens = req.max_completion_tokens
-        room = self.max_model_len - prompt_len
         check_context(prompt_len, 1, self.max_model_len)  # room for one output token
         if max_tokens is None:
+            room = self.max_model_len - prompt_len
             max_tokens = room if default_max is None else min(default_max, room)
-        if max_tokens < 1:
-            raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-        check_context(prompt_len, max_tokens, self.max_model_len)
-        temperature = 1.0 if req.temperature is None else float(req.temperature)
-        if not 0 <= temperature < math.inf:
-            raise InvalidArgumentError(f"temperature must be a number >= 0, got {req.temperature}", param="temperature")
-        top_p = 1.0 if req.top_p is None else float(req.top_p)
-        if not 0 < top_p <= 1:
-            raise InvalidArgumentError(f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
-        top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k
-        if top_k < 0:
-            raise InvalidArgumentError(f"top_k must be -1, 0 (off) or positive, got {req.top_k}", param="top_k")
-        stop = () if req.stop is None else ((req.stop,) if isinstance(req.stop, str) else tuple(req.stop))
-        if any(not s for s in stop):
-            raise InvalidArgumentError("stop strings must not be empty", param="stop")
-        stop_ids = tuple(req.stop_token_ids or ())
-        if any(t < 0 for t in stop_ids):
-            raise InvalidArgumentError(f"stop_token_ids must be >= 0, got {list(stop_ids)[:5]}", param="stop_token_ids")
-        if stop and self.llm.tokenizer is None:
-            raise InvalidArgumentError("stop strings need a tokenizer; this model has none", param="stop")
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,  # -1: off, as vLLM
+            top_p=1.0 if req.top_p is None else float(req.top_p),
             seed=req.seed,
-            stop_token_ids=stop_ids,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
-            stop=stop,
-        ).with_eos(self.llm.eos_token_ids)
+            stop=() if req.stop is None else req.stop,
+        )
+        check_context(prompt_len, params.max_tokens, self.max_model_len)
+        if params.stop and self.llm.tokenizer is None:
+            raise InvalidArgumentError("stop strings need a tokenizer; this model has none", param="stop")
+        return params.with_eos(self.llm.eos_token_ids)
 
     def _check_text_length(self, num_chars: int, param: str) -> None:
         """Refuse, before tokenizing, text that cannot fit the context whatever its tokens
@@ -186,11 +173,8 @@ class OpenAIServing:
                 f"{len(prompts)} prompts in one request; at most {self.config.max_prompts_per_request}", param="prompt"
             )
         ids = [self._encode(x, "prompt") for x in prompts]
-        vocab = self.llm.model.vocab_size
-        for x in ids:
-            bad = [t for t in x if not 0 <= t < vocab]
-            if bad:
-                raise InvalidArgumentError(f"token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
+        for x in ids:  # all of them before any is submitted
+            check_token_ids(x, self.llm.model.vocab_size, param="prompt")
         return ids
 
     async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:

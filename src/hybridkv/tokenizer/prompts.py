@@ -47,6 +47,14 @@ def _need_tokenizer(tokenizer: Any, what: str, vocab_size: int):
     return tokenizer
 
 
+def check_token_ids(ids: Sequence[Any], vocab_size: int, param: str | None = None) -> None:
+    """Refuse (InvalidArgumentError naming ``param``) ids that are not ints in ``[0, vocab_size)``:
+    the one rule the engine, the runner and the server apply where ids enter."""
+    bad = [t for t in ids if type(t) is not int or not 0 <= t < vocab_size]  # bool is not a token id
+    if bad:
+        raise InvalidArgumentError(f"token ids must be ints in [0, {vocab_size}); got {bad[:5]}", param=param)
+
+
 def encode_prompt(tokenizer: Any, prompt: Prompt, vocab_size: int) -> list[int]:
     """A prompt's token ids: text encoded with special tokens, chat messages rendered with the
     chat template and encoded without, token ids as given (the engine checks them).
