@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 from _state_trace import vllm_align
 from _traces import Driver, HybridLane, TraceSpec
-from vs_vllm import Mismatch, PairLane, VllmLane
+from _vllm_lanes import Mismatch, PairLane, VllmLane
 
 __all__ = ["StatePairLane", "run_state_check", "junction_experiment", "vllm_scheduler_split", "print_state_checks",
            "patch_vllm_deferral_by_block"]

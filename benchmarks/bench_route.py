@@ -478,7 +478,7 @@ def moves(recs: list[Rec]) -> int:
     return n
 
 
-def report(runs: dict[str, list[PolicyRun]], rounds: int) -> dict:
+def report(runs: dict[str, list[PolicyRun]], rounds: int, decompose: bool = False) -> dict:
     print(f"\n{'policy':12} {'requests':>8} {'prompt tok':>10} {'hit obtained':>19} {'hit predicted':>13} "
           f"{'false residency':>19} {'mean TTFT':>10} {'req/s':>7} {'out tok/s':>9}  replicas (requests)")
     for policy, rs in runs.items():
@@ -521,8 +521,13 @@ def report(runs: dict[str, list[PolicyRun]], rounds: int) -> dict:
             def mean_ttft(rs):
                 return statistics.fmean(r.ttft for run in rs for r in run.recs)
             ratio = mean_ttft(hyb) / mean_ttft(runs["least-loaded"])
-            verdict["hybrid_ttft_over_least_loaded"] = ratio
-            print(f"hybrid mean TTFT / least-loaded's: {ratio:.2f} (target <= 1.10: {'met' if ratio <= 1.1 else 'MISSED'})")
+            if decompose:  # the peek waits for a replica step before every hybrid decision
+                print(f"hybrid mean TTFT / least-loaded's: {ratio:.2f} (not a verdict with --decompose: the peek "
+                      f"delays each hybrid request; take the TTFT from a run without it)")
+            else:
+                verdict["hybrid_ttft_over_least_loaded"] = ratio
+                print(f"hybrid mean TTFT / least-loaded's: {ratio:.2f} (target <= 1.10: "
+                      f"{'met' if ratio <= 1.1 else 'MISSED'})")
         pred = sum(r.total("predicted") for r in hyb)
         false = sum(r.false_residency for r in hyb)
         verdict["hybrid_false_residency"] = false / pred if pred else 0.0
@@ -618,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
                 for p in order:
                     runs[p].append(run_policy(setup, p, work, args.max_tokens, rnd))
             print(f"all runs: {time.perf_counter() - t0:.0f} s")
-            verdicts[num_blocks] = report(runs, rounds)
+            verdicts[num_blocks] = report(runs, rounds, args.decompose)
             by_size[num_blocks] = runs
     if len(sizes) > 1:
         summary(verdicts)

@@ -54,7 +54,8 @@ from _vllm_env import use_repo_src  # noqa: E402
 use_repo_src()
 
 from _traces import HybridLane, TraceSpec, full_groups, gemma3_groups, median, scout_groups  # noqa: E402
-from vs_vllm import VllmLane, _import_vllm  # noqa: E402
+from _vllm_lanes import VllmLane  # noqa: E402
+from vs_vllm import _import_vllm  # noqa: E402
 
 LAYOUTS = {"full": full_groups, "scout": scout_groups, "gemma3": gemma3_groups}
 BLOCK = 16

@@ -4,14 +4,9 @@ once, and read block ids where vLLM's scheduler does."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from _traces import Driver, HybridLane, make_fuzz_trace  # noqa: E402
+from _traces import Driver, HybridLane, make_fuzz_trace
 
 
 class CountingLane(HybridLane):

@@ -16,9 +16,8 @@ import pytest
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench_real  # noqa: E402
+import bench_real
 
 
 def _single(decode: float, ttft_long: float) -> dict:

@@ -3,18 +3,14 @@ router (real processes on 127.0.0.1), a few two-turn chats, the report printed."
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("zmq")
 pytest.importorskip("fastapi")
 pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import bench_route  # noqa: E402
+import bench_route
 
 
 def test_workload_is_seeded_and_turns_extend_their_chat():

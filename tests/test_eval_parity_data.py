@@ -9,15 +9,12 @@ import itertools
 import json
 import os
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import _eval_data as ed  # noqa: E402
-from _eval_data import Item, completion_prompt, make_haystack_items, make_items, make_qa_item, score  # noqa: E402
+import _eval_data as ed
+from _eval_data import Item, completion_prompt, make_haystack_items, make_items, make_qa_item, score
 
 
 def words(text: str) -> int:

@@ -6,26 +6,23 @@ deferred admissions on the Qwen3-Next layout, and our rule against the transcrip
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from _state_trace import (  # noqa: E402
+from _state_trace import (
     GDN_SHAPES,
     make_state_trace,
     ours_align,
     qwen3next_groups,
     vllm_align,
 )
-from _traces import Driver, HybridLane  # noqa: E402
+from _traces import Driver, HybridLane
 
-from hybridkv.core.managers.state import StateManager  # noqa: E402
+from hybridkv.core.managers.state import StateManager
 
 
 class AlignCheckingLane(HybridLane):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import logging
 from typing import Awaitable, Callable, Collection, Protocol, Sequence
 
 from hybridkv.errors import InvalidConfigError
@@ -41,6 +42,8 @@ from hybridkv.router.balance import Balance, RecentShares
 from hybridkv.router.replica import Replica
 
 __all__ = ["Policy", "PolicyName", "make_policy", "pick"]
+
+log = logging.getLogger("hybridkv.router")
 
 
 class PolicyName(str, enum.Enum):
@@ -110,6 +113,10 @@ class _Ranked:
         over = shares.over([r.name for r in replicas]) if shares is not None else ()
         replica, hit = pick(replicas, hits, self.max_imbalance, turn, affinity, over,
                             shares.share if shares is not None else None)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("routed to %s: hits %s, in flight %s, passed over %s", replica.name,
+                      {r.name: h for r, h in zip(replicas, hits)}, {r.name: r.in_flight for r in replicas},
+                      sorted(over))
         if shares is not None:
             shares.record(replica.name)
         return replica, hit
