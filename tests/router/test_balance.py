@@ -127,3 +127,21 @@ def test_a_starved_replica_takes_the_next_request_whose_hit_is_elsewhere():
         shares.record(name)
     assert shares.over(["r0", "r1", "r2"]) == {"r0", "r1"}  # r2 got nothing lately
     assert shares.over(["r0", "r1"]) == set()  # r2 down: the two that are up are even
+
+
+def test_router_replicas_reports_each_recent_share():
+    """``/router/replicas`` shows the balance rule's shares (None for a policy without it)."""
+    from tests.support.fake_replicas import FakeReplicas, run_router as _run
+
+    async def body(c, router):
+        for i in range(6):
+            r = await c.post("/v1/completions", json={"prompt": [1, 2, 3 + i], "max_tokens": 1})
+            assert r.status_code == 200, r.text
+        return (await c.get("/router/replicas")).json()
+
+    state = _run(FakeReplicas(3), body, "hybrid")
+    shares = [r["recent_share"] for r in state["replicas"]]
+    assert state["policy"] == "hybrid" and sum(shares) == pytest.approx(1.0, abs=1e-3)
+    assert all(0.2 < s < 0.5 for s in shares)  # no hits: spread evenly, as least-loaded would
+    plain = _run(FakeReplicas(2), body, "least-loaded")
+    assert [r["recent_share"] for r in plain["replicas"]] == [None, None]

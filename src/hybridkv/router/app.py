@@ -195,7 +195,10 @@ def create_router_app(router: Router) -> FastAPI:
 
     @app.get("/router/replicas")
     async def replicas() -> dict:
-        return {"policy": router.policy.name.value, "replicas": [_describe(r) for r in router.replicas]}
+        shares = getattr(router.policy, "shares", None)  # the balance rule's, on hit-ranking policies
+        return {"policy": router.policy.name.value,
+                "replicas": [{**_describe(r), "recent_share": None if shares is None else round(shares.share(r.name), 4)}
+                             for r in router.replicas]}
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
