@@ -519,7 +519,8 @@ def report(runs: dict[str, list[PolicyRun]], rounds: int, decompose: bool = Fals
                   f"{'met' if min(diffs) >= 0 else 'MISSED' if max(diffs) < 0 else 'met in some rounds'})")
         if "least-loaded" in runs:
             def mean_ttft(rs):
-                return statistics.fmean(r.ttft for run in rs for r in run.recs)
+                ttfts = [r.ttft for run in rs for r in run.recs]
+                return statistics.fmean(ttfts) if ttfts else float("nan")
             ratio = mean_ttft(hyb) / mean_ttft(runs["least-loaded"])
             if decompose:  # the peek waits for a replica step before every hybrid decision
                 print(f"hybrid mean TTFT / least-loaded's: {ratio:.2f} (not a verdict with --decompose: the peek "

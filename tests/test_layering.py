@@ -38,13 +38,14 @@ def _package(rel: Path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
-def _targets(node: ast.AST, module: list[str], is_init: bool) -> list[str]:
+def _targets(node: ast.AST, module: list[str]) -> list[str]:
     """The hybridkv top-level names an import statement reaches."""
     if isinstance(node, ast.Import):
         full = [a.name for a in node.names]
     elif isinstance(node, ast.ImportFrom):
         if node.level:  # relative: from the module's package upwards
-            base = module[: len(module) - node.level + (1 if is_init else 0)]
+            # ``module`` of a package's __init__ ends in "__init__": one level is the package itself
+            base = module[: len(module) - node.level]
             full = [".".join(base + ([node.module] if node.module else []))]
         else:
             full = [node.module or ""]
@@ -70,7 +71,7 @@ def arrows() -> dict[tuple[str, str], list[str]]:
         module = ["hybridkv", *rel.with_suffix("").parts]
         src = _package(rel)
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            for tgt in _targets(node, module, rel.name == "__init__.py"):
+            for tgt in _targets(node, module):
                 if tgt != src:
                     found.setdefault((src, tgt), []).append(".".join(module))
     return found
@@ -95,5 +96,9 @@ def test_the_scan_sees_arrows():
     assert ("router", "server") not in found and ("server", "router") not in found
     tree = ast.parse("from ..core import specs\nfrom . import x\n")
     nodes = list(ast.walk(tree))
-    got = [t for n in nodes for t in _targets(n, ["hybridkv", "engine", "llm"], False)]
+    got = [t for n in nodes for t in _targets(n, ["hybridkv", "engine", "llm"])]
     assert got == ["core", "engine"]
+    init = [t for n in nodes for t in _targets(n, ["hybridkv", "engine", "__init__"])]
+    assert init == ["core", "engine"]  # in engine/__init__.py, ``..core`` is hybridkv.core
+    top = ast.parse("from .core import specs\n")
+    assert [t for n in ast.walk(top) for t in _targets(n, ["hybridkv", "__init__"])] == ["core"]

@@ -16,7 +16,14 @@ __all__ = ["SamplingParams", "check_context"]
 
 
 def _real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A real number that a float holds (a 400-digit int does not)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        float(x)
+    except OverflowError:
+        return False
+    return True
 
 
 def check_context(prompt_len: int, max_tokens: int, max_model_len: int) -> None:

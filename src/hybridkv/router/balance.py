@@ -13,8 +13,10 @@ test to each replica's share of the recent decisions (an exponentially decaying 
 about ``window`` decisions): a replica whose share exceeds ``max_share_ratio`` times the
 least-served replica's is passed over for hits; among the others the largest hit still
 wins. The least-served replica is never passed over, so neither is every replica; a
-replica that received nothing lately (just up, or starved) takes the next request whose
-best hit is elsewhere. Capping the largest share alone is not enough: with 3 replicas and
+replica that received little lately (starved by hits elsewhere) takes the requests whose best
+hit is elsewhere until its share is within the ratio again; one that comes back up starts at
+the least share of the others (not at the share that decayed while it was down). A ratio of 1
+sends each request to the least-served replica: hits then only break ties. Capping the largest share alone is not enough: with 3 replicas and
 a cap of 1.25x the fair share, one replica may still fall to half of it.
 
 Worked example (``window`` 64, ``max_share_ratio`` 1.5, 3 replicas): after 60 decisions,
@@ -35,6 +37,9 @@ __all__ = ["Balance", "RecentShares", "DEFAULT_MAX_SHARE_RATIO", "DEFAULT_SHARE_
 
 DEFAULT_MAX_SHARE_RATIO = 1.5
 DEFAULT_SHARE_WINDOW = 64
+#: bounds that keep the arithmetic finite (a ratio of 1e6 is as good as no rule)
+MAX_RATIO = 1e6
+MAX_WINDOW = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +54,13 @@ class Balance:
 
     def __post_init__(self) -> None:
         m = self.max_share_ratio
-        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 1.0 <= m < float("inf")):
-            raise InvalidConfigError(f"max_share_ratio must be a number >= 1 (a multiple of the least share), got {m!r}")
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 1.0 <= m <= MAX_RATIO):
+            raise InvalidConfigError(
+                f"max_share_ratio must be a number in [1, {MAX_RATIO:g}] (a multiple of the least share), got {m!r:.40}"
+            )
         w = self.window
-        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-            raise InvalidConfigError(f"the balance window must be an int >= 1 decisions, got {w!r}")
+        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_WINDOW:
+            raise InvalidConfigError(f"the balance window must be an int in [1, {MAX_WINDOW:,}] decisions, got {w!r:.40}")
 
 
 class RecentShares:
@@ -64,6 +71,7 @@ class RecentShares:
         self._decay = 1.0 - 1.0 / balance.window
         self._counts: dict[str, float] = {}
         self._total = 0.0
+        self._up: frozenset[str] = frozenset()  # the replicas up at the last decision
 
     def record(self, name: str) -> None:
         """One decision went to ``name``."""
@@ -79,7 +87,20 @@ class RecentShares:
 
     def over(self, names: Sequence[str]) -> set[str]:
         """Those of ``names`` (the replicas up now) whose share exceeds ``max_share_ratio`` times
-        the least share among them; never the least served, so never all."""
+        the least share among them; never the least served, so never all.
+
+        A replica that was not up at the last decision (back from down, or added) starts at the
+        least count of those that were: its decisions decayed while it was away, and the rule
+        would otherwise send it every request, hits or not, until it caught up.
+        """
+        up = frozenset(names)
+        back = up - self._up
+        if back and self._up & up:
+            floor = min(self._counts.get(n, 0.0) for n in self._up & up)
+            for n in back:
+                self._counts[n] = max(self._counts.get(n, 0.0), floor)
+            self._total = sum(self._counts.values())
+        self._up = up
         limit = self.balance.max_share_ratio
         if limit is None or len(names) < 2 or self._total <= 0.0:
             return set()

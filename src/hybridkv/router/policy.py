@@ -14,7 +14,8 @@
 
 The hit-ranking policies share one rule (:func:`pick`): among replicas whose in-flight
 count is at most the least loaded one's plus ``max_imbalance``, and whose share of the
-recent decisions is within ``max_share_ratio`` times the fair share (:mod:`~hybridkv.router.balance`),
+recent decisions is within ``max_share_ratio`` times the least-served replica's
+(:mod:`~hybridkv.router.balance`),
 take the largest hit; ties go to the less loaded, then in turn. So a cache hit wins unless
 following it would pile more than ``max_imbalance`` requests onto one replica beyond the
 least loaded, or keep sending one replica more than its share of the traffic.

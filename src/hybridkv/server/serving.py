@@ -102,16 +102,21 @@ class OpenAIServing:
         if max_tokens is None:
             room = self.max_model_len - prompt_len
             max_tokens = room if default_max is None else min(default_max, room)
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else float(req.temperature),
-            top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,  # -1: off, as vLLM
-            top_p=1.0 if req.top_p is None else float(req.top_p),
-            seed=req.seed,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
-            stop=() if req.stop is None else req.stop,
-        )
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,  # -1: off, as vLLM
+                top_p=1.0 if req.top_p is None else req.top_p,
+                seed=req.seed,
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                stop=() if req.stop is None else req.stop,
+            )
+        except InvalidArgumentError as exc:  # name the field the client sent
+            if exc.param == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+                exc.param = "max_completion_tokens"
+            raise
         check_context(prompt_len, params.max_tokens, self.max_model_len)
         if params.stop and self.llm.tokenizer is None:
             raise InvalidArgumentError("stop strings need a tokenizer; this model has none", param="stop")
@@ -220,7 +225,9 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ chat
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        return self._encode(chat_messages(req), "messages")
+        ids = self._encode(chat_messages(req), "messages")
+        check_token_ids(ids, self.llm.model.vocab_size, param="messages")  # a template's ids past the model's
+        return ids
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self._prepare(req)
