@@ -51,6 +51,7 @@ from hybridkv.core.events import AllBlocksCleared, KVCacheEvent
 from hybridkv.core.hashing import BlockHash
 from hybridkv.core.pool_invariants import check_pool
 from hybridkv.core.prefix_cache_map import PrefixCacheMap
+from hybridkv.core.usage import usable_blocks
 from hybridkv.errors import InvalidArgumentError, InvariantViolation
 
 __all__ = ["KVCacheBlock", "FreeBlockQueue", "BlockPool", "NULL_BLOCK_ID"]
@@ -131,7 +132,7 @@ class BlockPool(PrefixCacheMap):
     @property
     def usage(self) -> float:
         """Fraction of the usable (non-null) blocks held by requests."""
-        usable = self.num_blocks - 1
+        usable = usable_blocks(self.num_blocks)
         return (usable - self._num_free) / usable
 
     @property
