@@ -34,6 +34,7 @@ from hybridkv.cli.http_server import (
 from hybridkv.cli.model_dir import resolve_model_source
 from hybridkv.cli.options import finite_float, int_range
 from hybridkv.errors import InvalidArgumentError
+from hybridkv.scheduler.config import ENGINE_MAX_NUM_SEQS
 
 __all__ = ["add_parser", "run"]
 
@@ -70,7 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "runs short), none (vLLM's behaviour) (default refresh)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
                    help="server log level (default warning)")
-    add_engine_options(p, max_num_seqs_default="64")
+    add_engine_options(p, max_num_seqs_default=str(ENGINE_MAX_NUM_SEQS))
     p.set_defaults(func=run)
     return p
 
@@ -123,7 +124,7 @@ def _serve(args: argparse.Namespace, config, source, sock: socket.socket) -> int
     from hybridkv.server.async_llm import AsyncLLM
     from hybridkv.server.metrics import ServerMetrics
 
-    engine_cfg = dataclasses.replace(engine_config(args, 64), queued_prefix=args.queued_prefix)
+    engine_cfg = dataclasses.replace(engine_config(args, ENGINE_MAX_NUM_SEQS), queued_prefix=args.queued_prefix)
     if config.kv_events is not None:
         engine_cfg = dataclasses.replace(engine_cfg, enable_kv_events=True)
     llm = LLM(source, engine_cfg)

@@ -62,7 +62,7 @@ from hybridkv.errors import InvalidArgumentError, InvalidConfigError, UnknownReq
 from hybridkv.tokenizer.prompts import check_token_ids
 from hybridkv.planner.grouping import Grouping
 from hybridkv.planner.sizes import parse_bytes
-from hybridkv.scheduler.config import SchedulerConfig
+from hybridkv.scheduler.config import ENGINE_MAX_NUM_SEQS, SchedulerConfig
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.scheduler import Scheduler
 from hybridkv.scheduler.sequence import FinishReason, Sequence as Seq
@@ -79,7 +79,7 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    max_num_seqs: int = 64
+    max_num_seqs: int = ENGINE_MAX_NUM_SEQS
     admission: str = "full_prompt"  # SchedulerConfig.admission (vLLM's default; or "first_chunk")
     enable_prefix_caching: bool = True
     group_size: int | None = None  # default: the planner's choice

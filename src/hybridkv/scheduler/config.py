@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+#: running requests at most: the bare scheduler's default (vLLM's)
+DEFAULT_MAX_NUM_SEQS = 256
+#: ... and the engine's (``EngineConfig``, ``serve``): a batch sized for a CPU
+ENGINE_MAX_NUM_SEQS = 64
 from hybridkv.errors import InvalidConfigError
 
 __all__ = ["SchedulerConfig", "ADMISSION_POLICIES", "QUEUED_PREFIX_POLICIES"]
@@ -54,7 +59,7 @@ class SchedulerConfig:
     """
 
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int = 8192
     admission: str = "full_prompt"
     queued_prefix: str = "none"
