@@ -16,8 +16,9 @@ wins. The least-served replica is never passed over, so neither is every replica
 replica that received little lately (starved by hits elsewhere) takes the requests whose best
 hit is elsewhere until its share is within the ratio again; one that comes back up starts at
 the least share of the others (not at the share that decayed while it was down). A ratio of 1
-sends each request to the least-served replica: hits then only break ties. Capping the largest share alone is not enough: with 3 replicas and
-a cap of 1.25x the fair share, one replica may still fall to half of it.
+sends each request to the least-served replica: hits then only break ties. Capping the
+largest share alone is not enough: with 3 replicas and a cap of 1.25x the fair share, one
+replica may still fall to half of it.
 
 Worked example (``window`` 64, ``max_share_ratio`` 1.5, 3 replicas): after 60 decisions,
 27 of them to r0, 18 to r1 and 15 to r2, the shares are about 0.45, 0.30, 0.25: the limit is
@@ -60,7 +61,9 @@ class Balance:
             )
         w = self.window
         if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_WINDOW:
-            raise InvalidConfigError(f"the balance window must be an int in [1, {MAX_WINDOW:,}] decisions, got {w!r:.40}")
+            raise InvalidConfigError(
+                f"the balance window must be an int in [1, {MAX_WINDOW:,}] decisions, got {w!r:.40}"
+            )
 
 
 class RecentShares:
