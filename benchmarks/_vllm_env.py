@@ -1,5 +1,5 @@
-"""What the benchmarks beside vLLM share: this repository's ``src`` first on ``sys.path``,
-and vLLM imported, or how to install it printed (exit 0: vLLM is never a dependency)."""
+"""What the benchmarks beside vLLM share: vLLM imported, or how to install it printed
+(exit 0: vLLM is never a dependency)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import importlib
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(os.path.dirname(HERE), "src")
 
 SETUP = """\
 {script} needs vLLM 0.33.0 (and torch 2.13, CPU is fine) in a benchmark-only environment:
@@ -23,12 +21,6 @@ then, from the repository root:
 
 (vLLM is never a dependency of hybridkv, and this benchmark is not part of CI.)"""
 
-
-def use_repo_src() -> None:
-    """Import hybridkv from this checkout, whatever is installed."""
-    for path in (SRC, HERE):
-        if os.path.isdir(path) and path not in sys.path:
-            sys.path.insert(0, path)
 
 
 def import_vllm(script: str, module: str, args: str = "") -> None:

@@ -45,12 +45,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import _paths  # noqa: E402,F401  (this checkout's src and tests.support importable)
 
 import torch  # noqa: E402
 import transformers as tf  # noqa: E402

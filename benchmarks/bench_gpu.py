@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import _paths  # noqa: E402,F401  (this checkout's src and tests.support importable)
 
 import torch  # noqa: E402
 import transformers as tf  # noqa: E402

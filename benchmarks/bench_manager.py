@@ -28,15 +28,10 @@ Target (issue 2, item 8): scout / full <= 1.5 µs per request-step.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-_SRC = os.path.join(os.path.dirname(HERE), "src")
-if os.path.isdir(_SRC) and _SRC not in sys.path:
-    sys.path.insert(0, _SRC)
+import _paths  # noqa: E402,F401  (this checkout's src and tests.support importable)
 
 from _traces import (  # noqa: E402
     Driver,

@@ -72,11 +72,10 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _paths  # noqa: E402,F401  (this checkout's src and tests.support importable)
 from _real_env import (  # noqa: E402
     HFLane,
     LaneRun,
@@ -93,10 +92,8 @@ from _real_env import (  # noqa: E402
     ratio_cell,
     spread,
     target_cell,
-    use_repo_src,
 )
 
-use_repo_src()
 
 import torch  # noqa: E402
 import transformers as tf  # noqa: E402

@@ -98,12 +98,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _tiny_model import tiny_model_dir  # noqa: E402
-
-sys.path.insert(0, str(ROOT))  # tests/support: the process harness and port helper the tests use
+import _paths  # noqa: E402,F401  (this checkout's src and tests.support importable)
+from tests.support.tiny_server import make_tiny_dir  # noqa: E402
 from tests.support.processes import HybridkvProcess, free_port  # noqa: E402
 
 from hybridkv.router.balance import DEFAULT_MAX_SHARE_RATIO  # noqa: E402
@@ -608,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     verdicts: dict[int, dict] = {}
     by_size: dict[int, dict[str, list[PolicyRun]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-route-") as tmp:
-        model = args.model or tiny_model_dir(Path(tmp))
+        model = args.model or str(make_tiny_dir(Path(tmp)))
         for num_blocks in sizes:
             setup = Setup(model, args.replicas, args.block_size, num_blocks, args.max_num_seqs, args.max_model_len,
                           args.max_imbalance, args.threads, args.decompose, args.queued_prefix, args.max_share_ratio)

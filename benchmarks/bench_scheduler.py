@@ -22,11 +22,9 @@ import argparse
 import gc
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import _paths  # noqa: E402,F401  (this checkout's src and tests.support importable)
 
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup  # noqa: E402
 from hybridkv.core.kv_cache_manager import KVCacheManager  # noqa: E402

@@ -49,12 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _tiny_model import tiny_model_dir  # noqa: E402
-
-sys.path.insert(0, str(ROOT))  # tests/support: the process harness the tests use
+import _paths  # noqa: E402,F401  (this checkout's src and tests.support importable)
+from tests.support.tiny_server import make_tiny_dir  # noqa: E402
 from tests.support.processes import HybridkvProcess  # noqa: E402
 
 READY_TIMEOUT = 300.0  # model load included
@@ -255,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.requests or (max(c, 4) if args.quick else max(2 * c, 8))
 
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
-        model = args.model or (tiny_model_dir(Path(tmp)) if args.quick else "gemma-3-270m")
+        model = args.model or (str(make_tiny_dir(Path(tmp))) if args.quick else "gemma-3-270m")
         from hybridkv.engine.llm import LLM
 
         setup = Setup(model, 4 if args.quick else 16, max(levels), prompt_len + max_tokens + 16, prompt_len,

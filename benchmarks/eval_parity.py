@@ -67,8 +67,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _paths  # noqa: E402,F401  (this checkout's src and tests.support importable)
 
 import _eval_data as data  # noqa: E402
 

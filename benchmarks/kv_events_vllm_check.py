@@ -26,8 +26,7 @@ import msgspec
 import zmq
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT))  # tests/support: the port helper the tests use
+import _paths  # noqa: E402,F401  (this checkout's src and tests.support importable)
 
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup  # noqa: E402
 from hybridkv.core.kv_cache_manager import KVCacheManager  # noqa: E402

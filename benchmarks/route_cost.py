@@ -27,11 +27,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import _paths  # noqa: E402,F401  (this checkout's src and tests.support importable)
 
 from hybridkv.router.index import Prompt, ReplicaIndex  # noqa: E402
 from hybridkv.protocol.kv_events import BlockStored  # noqa: E402

@@ -68,11 +68,9 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from _vllm_env import import_vllm, use_repo_src  # noqa: E402
+import _paths  # noqa: E402,F401  (this checkout's src and tests.support importable)
+from _vllm_env import import_vllm  # noqa: E402
 
-use_repo_src()
 
 
 def _import_vllm():

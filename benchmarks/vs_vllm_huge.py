@@ -47,11 +47,8 @@ import sys
 import time
 from array import array
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from _vllm_env import use_repo_src  # noqa: E402
+import _paths  # noqa: E402,F401  (this checkout's src and tests.support importable)
 
-use_repo_src()
 
 from _traces import HybridLane, TraceSpec, full_groups, gemma3_groups, median, scout_groups  # noqa: E402
 from _vllm_lanes import VllmLane  # noqa: E402

@@ -48,17 +48,14 @@ Run (from the repository root; importing vLLM takes ~15-30 s, the runs ~1 min)::
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import types
 from dataclasses import dataclass, field
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from _vllm_env import import_vllm, use_repo_src  # noqa: E402
+import _paths  # noqa: E402,F401  (this checkout's src and tests.support importable)
+from _vllm_env import import_vllm  # noqa: E402
 
-use_repo_src()
 
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup  # noqa: E402
 from hybridkv.core.kv_cache_manager import KVCacheManager  # noqa: E402

@@ -8,7 +8,8 @@ import pytest
 
 @pytest.mark.parametrize(
     "module",
-    ["hybridkv", "hybridkv.core.kv_cache_manager", "hybridkv.planner", "hybridkv.scheduler", "hybridkv.cli"],
+    ["hybridkv", "hybridkv.core.kv_cache_manager", "hybridkv.planner", "hybridkv.scheduler", "hybridkv.cli",
+     "hybridkv.engine_config", "hybridkv.cli.engine_args"],
 )
 def test_importing_leaves_torch_out(module):
     code = f"import sys, {module}; print('torch' in sys.modules)"

@@ -91,6 +91,10 @@ def test_generate_engine_options_reach_engine_config(tiny_llama, monkeypatch, ca
     assert (a.dtype, a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len, a.num_blocks) == (
         "bfloat16", 3, 7, 100, 9)
     assert (b.dtype, b.max_num_seqs, b.max_num_batched_tokens, b.max_model_len) == ("float32", 2, 2048, None)
+    # every flag left out is EngineConfig's own default (generate sizes max_num_seqs to its prompts)
+    import dataclasses
+
+    assert dataclasses.replace(b, max_num_seqs=EngineConfig().max_num_seqs) == EngineConfig()
 
 
 def test_generate_dtype_runs(tiny_llama, capsys):

@@ -19,7 +19,7 @@ from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec, span_blocks
 from hybridkv.errors import InvalidSpecError
 
-from tests.core.helpers import chunked, full, sliding
+from tests.support.kv_specs import chunked, full, sliding
 
 SCOUT = dict(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
 

@@ -9,7 +9,7 @@ import pytest
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
 from hybridkv.core.kv_cache_manager import KVCacheManager
 
-from tests.core.helpers import chunked, full, sliding
+from tests.support.kv_specs import chunked, full, sliding
 
 LAYOUTS = {
     "full": lambda bs: (full(bs),),

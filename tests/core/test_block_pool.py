@@ -4,7 +4,7 @@ from hybridkv.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from hybridkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from hybridkv.errors import InvalidArgumentError, InvariantViolation
 
-from tests.core.helpers import ids
+from tests.support.kv_specs import ids
 
 
 def test_null_block_is_block_zero_and_never_free():

@@ -3,7 +3,7 @@
 from hybridkv.core.config import KVCacheConfig, KVCacheGroup
 from hybridkv.core.coordinator import KVCacheCoordinator
 
-from tests.core.helpers import chunked, fake_hashes, full, ids, mark_cached, sliding
+from tests.support.kv_specs import chunked, fake_hashes, full, ids, mark_cached, sliding
 
 
 def coord(*specs, num_blocks=200, **kw):

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hybridkv.core.config import KVCacheConfig, KVCacheGroup
 from hybridkv.core.coordinator import KVCacheCoordinator
 
-from tests.core.helpers import chunked, fake_hashes, full, mark_cached, sliding, state
+from tests.support.kv_specs import chunked, fake_hashes, full, mark_cached, sliding, state
 
 
 def first_needed_token(spec, L):

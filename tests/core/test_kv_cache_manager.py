@@ -12,7 +12,7 @@ from hybridkv.errors import (
     UnknownRequestError,
 )
 
-from tests.core.helpers import chunked, full, sliding
+from tests.support.kv_specs import chunked, full, sliding
 
 
 def manager(*specs, num_blocks=64, max_model_len=1000, **kw):

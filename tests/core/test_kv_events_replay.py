@@ -14,7 +14,7 @@ from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
 from hybridkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from hybridkv.core.kv_cache_manager import KVCacheManager
 
-from tests.core.test_random_operations import BS, HybridManagerMachine, MixedStripeWidthsMachine
+from tests.support.manager_machines import BS, HybridManagerMachine, MixedStripeWidthsMachine
 
 
 class EventReplay:

@@ -27,7 +27,7 @@ from hybridkv.errors import (
     UnknownRequestError,
 )
 
-from tests.core.helpers import chunked, full, manager_snapshot, pool_snapshot, sliding
+from tests.support.kv_specs import chunked, full, manager_snapshot, pool_snapshot, sliding
 
 SPECS = (full(2), sliding(3, 2), chunked(4, 2), chunked(4, 2))
 CFG = KVCacheConfig(60, tuple(KVCacheGroup(s) for s in SPECS))

@@ -8,7 +8,7 @@ from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
 from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.errors import InvalidArgumentError, RequestError
 
-from tests.core.helpers import chunked, full, sliding
+from tests.support.kv_specs import chunked, full, sliding
 
 
 def _snapshot(kv: KVCacheManager, rid: str):

@@ -13,7 +13,7 @@ from hybridkv.scheduler.config import SchedulerConfig
 from hybridkv.scheduler.interface import SamplingParams
 from hybridkv.scheduler.scheduler import Scheduler
 
-from tests.core.helpers import chunked, full, pool_snapshot, sliding
+from tests.support.kv_specs import chunked, full, pool_snapshot, sliding
 
 
 def manager(*specs, num_blocks=64, **kw):

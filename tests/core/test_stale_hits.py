@@ -15,7 +15,7 @@ from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
 from hybridkv.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from hybridkv.errors import InvalidArgumentError, StaleHitError
 
-from tests.core.helpers import chunked, full, manager_snapshot, sliding
+from tests.support.kv_specs import chunked, full, manager_snapshot, sliding
 
 SPECS = (full(2), sliding(3, 2), chunked(8, 2), chunked(8, 2))  # the two chunked groups stripe
 

@@ -29,7 +29,7 @@ from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.core.specs import cdiv
 from hybridkv.errors import StaleHitError
 
-from tests.core.helpers import chunked, full, manager_snapshot, sliding
+from tests.support.kv_specs import chunked, full, manager_snapshot, sliding
 
 BS = 2
 SPECS = (full(BS), sliding(3, BS), chunked(6, BS), chunked(6, BS), sliding(5, BS))

@@ -16,7 +16,7 @@ import pytest
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
 from hybridkv.core.kv_cache_manager import KVCacheManager
 
-from tests.core.helpers import full, state
+from tests.support.kv_specs import full, state
 
 
 @pytest.mark.parametrize("stripe", [True, False])

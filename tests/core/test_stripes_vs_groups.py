@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
 from hybridkv.core.kv_cache_manager import KVCacheManager
 
-from tests.core.helpers import chunked, full, sliding
+from tests.support.kv_specs import chunked, full, sliding
 
 BS = 2
 SPECS = (full(BS), chunked(6, BS), sliding(5, BS), chunked(6, BS), chunked(6, BS), sliding(5, BS))

@@ -11,7 +11,7 @@ from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
 from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.core.usage import usable_blocks
 
-from tests.core.helpers import chunked, full, sliding
+from tests.support.kv_specs import chunked, full, sliding
 
 LAYOUTS = {
     "full": (full(),),

@@ -27,7 +27,7 @@ from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.core.managers import ChunkedLocalAttentionManager, SlidingWindowManager
 from hybridkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
-from tests.core.helpers import fake_hashes, ids, mark_cached
+from tests.support.kv_specs import fake_hashes, ids, mark_cached
 
 
 def _spec(kind: str, bs: int, param: int = 0):

@@ -40,9 +40,9 @@ from hybridkv.protocol.kv_events import (  # noqa: E402
     to_batch,
 )
 
-from tests.core.helpers import chunked, sliding  # noqa: E402
-from tests.core.test_state_manager import StateMachine  # noqa: E402
-from tests.core.test_random_operations import (  # noqa: E402
+from tests.support.kv_specs import chunked, sliding  # noqa: E402
+from tests.support.state_machine import StateMachine  # noqa: E402
+from tests.support.manager_machines import (  # noqa: E402
     BS,
     PREFIXES,
     HybridManagerMachine,

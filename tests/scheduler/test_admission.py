@@ -18,7 +18,7 @@ from hybridkv.scheduler import FakeRunner, FinishReason, SamplingParams, Schedul
 from hybridkv.scheduler.simulator import simulate
 from hybridkv.scheduler.workloads import TraceRequest
 
-from tests.core.helpers import chunked, full, sliding, state
+from tests.support.kv_specs import chunked, full, sliding, state
 from tests.support.scheduler_driver import run
 
 

@@ -13,7 +13,7 @@ from hybridkv.errors import (
 )
 from hybridkv.scheduler import FakeRunner, FinishReason, SamplingParams, Scheduler, SchedulerConfig, fake_token
 
-from tests.core.helpers import chunked, full, sliding
+from tests.support.kv_specs import chunked, full, sliding
 from tests.support.scheduler_driver import run
 
 

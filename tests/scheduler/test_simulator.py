@@ -3,7 +3,7 @@ from hybridkv.scheduler.config import SchedulerConfig
 from hybridkv.scheduler.simulator import Progress, simulate
 from hybridkv.scheduler.workloads import make_workload
 
-from tests.core.helpers import chunked, full
+from tests.support.kv_specs import chunked, full
 
 # a Scout-like model in miniature: 1 full + 3 chunked layers per position
 HYBRID = lambda n: KVCacheConfig(n, (KVCacheGroup(full(4)),) + tuple(KVCacheGroup(chunked(64)) for _ in range(3)))

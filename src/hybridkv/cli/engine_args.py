@@ -8,15 +8,12 @@ import argparse
 import importlib
 
 from hybridkv.cli.options import int_range, memory, tokens
-from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from hybridkv.engine_config import ATTENTION_BACKENDS, DTYPES, ENGINE_DEFAULTS as D, QUANTIZATIONS
 from hybridkv.errors import InvalidConfigError, PoolTooSmallError
 from hybridkv.planner.sizes import format_bytes
 
 __all__ = ["DTYPES", "ENGINE_MODULES", "add_engine_options", "check_pool", "engine_config",
            "require_engine_dependencies"]
-
-#: the engine dtypes (model weights and KV cache); EngineConfig's default first
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 
@@ -24,8 +21,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, max_num_seqs_default: str)
     """The engine's options, shared by ``generate`` and ``serve`` (:func:`engine_config` reads them)."""
     p.add_argument("--no-hybrid", action="store_true",
                    help="keep every layer's KV as full attention (the all-full layout, for comparison; default: hybrid)")
-    p.add_argument("--dtype", choices=DTYPES, default=DTYPES[0], help=f"model and KV cache dtype (default {DTYPES[0]})")
-    p.add_argument("--block-size", type=int_range(1), default=16, help="tokens per KV cache block (default 16)")
+    p.add_argument("--dtype", choices=DTYPES, default=D["dtype"], help=f"model and KV cache dtype (default {D['dtype']})")
+    p.add_argument("--block-size", type=int_range(1), default=D["block_size"],
+                   help=f"tokens per KV cache block (default {D['block_size']})")
     p.add_argument("--num-blocks", type=int_range(2, why=" (the null block and one usable)"), default=None,
                    help="KV cache blocks (default: sized for --max-num-seqs requests of --max-model-len, at most 1 GiB)")
     p.add_argument("--kv-cache-memory", type=memory, default=None,
@@ -34,17 +32,17 @@ def add_engine_options(p: argparse.ArgumentParser, *, max_num_seqs_default: str)
                    help="tokens per request at most, e.g. 4096, 32k, 1M (default: the model's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int_range(1), default=None,
                    help=f"requests running at once at most (default: {max_num_seqs_default})")
-    p.add_argument("--max-num-batched-tokens", type=int_range(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   help=f"token budget of one step (chunked prefill) (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    p.add_argument("--max-num-batched-tokens", type=int_range(1), default=D["max_num_batched_tokens"],
+                   help=f"token budget of one step (chunked prefill) (default {D['max_num_batched_tokens']})")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (default on)")
-    p.add_argument("--prefix-cache-retention-interval", type=_retention, default=0, metavar="N|all",
+    p.add_argument("--prefix-cache-retention-interval", type=_retention, default=D["prefix_cache_retention_interval"], metavar="N|all",
                    help="state checkpoints kept by linear-attention / SSM layers: 0 the prompt's last (default, "
                         "vLLM's), all every block, N every N tokens (a multiple of the block size)")
-    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--attention-backend", choices=("auto", "reference", "triton"), default="auto",
+    p.add_argument("--device", type=_device, default=D["device"], help=f"cpu, cuda or cuda:N (default {D['device']})")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=D["attention_backend"],
                    help="paged attention: triton kernels (CUDA), the reference (torch ops), or auto: triton on "
-                        "CUDA when triton imports, else the reference (default auto)")
-    p.add_argument("--quantization", choices=("int8", "int4"), default=None,
+                        f"CUDA when triton imports, else the reference (default {D['attention_backend']})")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=D["quantization"],
                    help="weight-only quantization on a CPU: int8 per output channel, int4 in groups of 32 "
                         "(embeddings and output projection included; default: the exact weights)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -55,7 +53,7 @@ def engine_config(args: argparse.Namespace, max_num_seqs: int):
     """The :class:`EngineConfig` of :func:`add_engine_options`' options (imports torch)."""
     import torch
 
-    from hybridkv.engine.engine import EngineConfig
+    from hybridkv.engine_config import EngineConfig
     from hybridkv.engine.kernels import resolve_backend
 
     device = torch.device(args.device)

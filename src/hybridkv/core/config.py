@@ -26,6 +26,8 @@ __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "KVCacheGroup", "KVCacheConfig", "C
 
 #: tokens a scheduler computes per step unless told otherwise (the planner's default too)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+#: state checkpoints cached by default: the prompt's last only (vLLM's ``prefix_cache_retention_interval``)
+DEFAULT_RETENTION_INTERVAL = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +94,7 @@ class CacheManagerConfig:
     #: which state checkpoints state groups cache (vLLM's ``prefix_cache_retention_interval``):
     #: None every block, 0 the prompt's last block only, k every k tokens (a multiple of the
     #: block size) and the prompt's last (:mod:`hybridkv.core.managers.state`)
-    prefix_cache_retention_interval: int | None = 0
+    prefix_cache_retention_interval: int | None = DEFAULT_RETENTION_INTERVAL
 
     def __post_init__(self) -> None:
         if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len <= 0:

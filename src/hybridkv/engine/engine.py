@@ -45,11 +45,11 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from hybridkv.checkpoint import ModelSource
-from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheManagerConfig
 from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.engine.decode_graphs import DecodeGraphs
+from hybridkv.engine_config import EngineConfig
 from hybridkv.engine.host import fit_threads_to_affinity, keep_freed_memory
-from hybridkv.engine.kernels import check_backend_name, resolve_backend
+from hybridkv.engine.kernels import resolve_backend
 from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation, torch_dtype
 from hybridkv.engine.layout import EngineLayout
 from hybridkv.engine.kv_summary import KVSummary, UsageTracker, kv_bytes_per_request, state_bytes_per_request
@@ -62,53 +62,11 @@ from hybridkv.errors import InvalidArgumentError, InvalidConfigError, UnknownReq
 from hybridkv.tokenizer.prompts import check_token_ids
 from hybridkv.planner.grouping import Grouping
 from hybridkv.planner.sizes import parse_bytes
-from hybridkv.scheduler.config import ENGINE_MAX_NUM_SEQS, SchedulerConfig
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.scheduler import Scheduler
 from hybridkv.scheduler.sequence import FinishReason, Sequence as Seq
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestDelta"]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """How to build the engine. Give the pool as ``num_blocks`` or ``kv_cache_memory``."""
-
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory: int | str | None = None
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    max_num_seqs: int = ENGINE_MAX_NUM_SEQS
-    admission: str = "full_prompt"  # SchedulerConfig.admission (vLLM's default; or "first_chunk")
-    enable_prefix_caching: bool = True
-    group_size: int | None = None  # default: the planner's choice
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    debug_checks: bool = False  # check every KV write for null-block slots
-    hybrid: bool = True  # False: every layer's KV kept as full attention (the all-full layout)
-    enable_kv_events: bool = False  # record KV cache events (drained by engine.kv.take_events())
-    queued_prefix: str = "none"  # SchedulerConfig.queued_prefix: "none" (vLLM), "refresh" or "pin" (the server's)
-    #: state checkpoints cached (CacheManagerConfig's): None every block, 0 the prompt's last, k every k tokens
-    prefix_cache_retention_interval: int | None = 0
-    #: "auto" (triton on CUDA when it imports, else reference), "reference" or "triton"
-    attention_backend: str = "auto"
-    #: True: no CUDA graphs (decode steps run eagerly)
-    enforce_eager: bool = False
-    #: weight-only quantization on a CPU: None (the exact weights), "int8" or "int4"
-    quantization: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_blocks is not None and self.kv_cache_memory is not None:
-            raise InvalidConfigError("give num_blocks or kv_cache_memory, not both")
-        if not isinstance(self.hybrid, bool):
-            raise InvalidConfigError(f"hybrid must be a bool, got {self.hybrid!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise InvalidConfigError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
-        check_backend_name(self.attention_backend)
-        if not self.hybrid and self.group_size is not None:
-            raise InvalidConfigError("group_size applies to the hybrid layout; with hybrid off all layers are one group")
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,22 +173,8 @@ class LLMEngine:
         # before any per-block state exists: a huge pool is refused, not built for minutes
         check_allocation(layout.allocation_bytes(num_blocks), config.device, f"a KV cache of {num_blocks:,} blocks")
         self.kv_cache_config = layout.kv_cache_config(num_blocks)
-        self.kv = KVCacheManager(
-            self.kv_cache_config,
-            CacheManagerConfig(max_model_len=self.max_model_len, enable_caching=config.enable_prefix_caching,
-                               enable_kv_events=config.enable_kv_events,
-                               prefix_cache_retention_interval=config.prefix_cache_retention_interval),
-        )
-        self.scheduler = Scheduler(
-            self.kv,
-            SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len,
-                admission=config.admission,
-                queued_prefix=config.queued_prefix,
-            ),
-        )
+        self.kv = KVCacheManager(self.kv_cache_config, config.cache_manager_config(self.max_model_len))
+        self.scheduler = Scheduler(self.kv, config.scheduler_config(self.max_model_len))
         attention = layout.attention_groups
         self.storage = PagedKVStorage(
             [list(g.layers) for g in attention.values()],

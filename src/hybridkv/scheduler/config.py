@@ -6,18 +6,22 @@ from dataclasses import dataclass
 
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
+from hybridkv.errors import InvalidConfigError
+
+__all__ = ["SchedulerConfig", "ADMISSION_POLICIES", "QUEUED_PREFIX_POLICIES", "DEFAULT_ADMISSION",
+           "DEFAULT_QUEUED_PREFIX", "DEFAULT_MAX_NUM_SEQS", "ENGINE_MAX_NUM_SEQS"]
+
 #: running requests at most: the bare scheduler's default (vLLM's)
 DEFAULT_MAX_NUM_SEQS = 256
 #: ... and the engine's (``EngineConfig``, ``serve``): a batch sized for a CPU
 ENGINE_MAX_NUM_SEQS = 64
-from hybridkv.errors import InvalidConfigError
 
-__all__ = ["SchedulerConfig", "ADMISSION_POLICIES", "QUEUED_PREFIX_POLICIES"]
-
-#: ``admission`` values: what must fit the pool before a waiting request is admitted
+#: ``admission`` values: what must fit the pool before a waiting request is admitted (the default first)
 ADMISSION_POLICIES = ("full_prompt", "first_chunk")
-#: ``queued_prefix`` values: how a queued request's cached prefix is kept until it runs
+DEFAULT_ADMISSION = ADMISSION_POLICIES[0]
+#: ``queued_prefix`` values: how a queued request's cached prefix is kept until it runs (the default first)
 QUEUED_PREFIX_POLICIES = ("none", "refresh", "pin")
+DEFAULT_QUEUED_PREFIX = QUEUED_PREFIX_POLICIES[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +65,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int = 8192
-    admission: str = "full_prompt"
-    queued_prefix: str = "none"
+    admission: str = DEFAULT_ADMISSION
+    queued_prefix: str = DEFAULT_QUEUED_PREFIX
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

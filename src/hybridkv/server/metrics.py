@@ -5,56 +5,17 @@
     # engine thread, per finished request:   metrics.on_request_finished(FinishedRecord.from_output(out, times))
     body, content_type = metrics.render()   # any thread
 
-Names follow vLLM v1 (``vllm/v1/metrics/loggers.py``) where vLLM has the metric, with its
-bucket boundaries and its ``model_name`` label (vLLM also labels ``engine``; we run one
-engine and leave it out). What vLLM lacks is ``hybridkv:``: blocks per KV cache group.
-Counters carry the ``_total`` suffix in the text format.
-
-Per step (``on_step``, read from the engine; gauges show the last step):
-
-- ``vllm:num_requests_running`` gauge: requests in the running batch.
-- ``vllm:num_requests_waiting`` gauge: requests queued in the engine, preempted ones included.
-- ``vllm:num_preemptions_total`` counter: preemptions since the engine started.
-- ``vllm:kv_cache_usage_perc`` gauge: fraction (0-1) of the shared pool's usable blocks
-  held by requests (free blocks that still hold a prefix-cache entry count as free).
-- ``vllm:prefix_cache_queries_total`` counter: prompt tokens looked up in the prefix cache.
-- ``vllm:prefix_cache_hits_total`` counter: of those, tokens found (valid for every group).
-- ``vllm:cache_config_info`` gauge (always 1): labels ``block_size``, ``num_gpu_blocks``
-  (usable blocks, the null block left out), ``enable_prefix_caching``.
-- ``hybridkv:num_requests_preempted`` gauge: waiting requests that were preempted and are
-  not running again yet (a part of ``vllm:num_requests_waiting``).
-- ``hybridkv:kv_cache_group_blocks`` gauge, labels ``group`` (0, 1, ...), ``kind``
-  (``full_attention``, ``sliding_window``, ``chunked_local_attention``), ``span`` (window /
-  chunk in tokens, ``""`` for full attention), ``state``:
-  ``state="used"``: distinct blocks the group's block tables hold (a block shared by two
-  requests through the prefix cache counts once); ``state="free"``: free blocks in the
-  pool, which every group shares: the same number on every group, so do not sum it.
-- ``hybridkv:kv_cache_group_peak_blocks`` gauge, labels ``group``, ``kind``, ``span``: the
-  most ``used`` blocks seen after a step's allocation (the engine's high-water mark).
-- ``hybridkv:kv_cache_blocks`` gauge, label ``state``: the shared pool's usable blocks,
-  ``used`` + ``free`` = ``num_gpu_blocks``; ``state="cached_free"`` is the part of
-  ``free`` that holds a prefix-cache entry (a hit can revive it; evicted when needed).
-
-Per finished request (``on_request_finished``; a request's tokens count when it ends):
-
-- ``vllm:request_success_total`` counter, label ``finished_reason`` (``stop``, ``length``,
-  ``abort``): finished requests, aborted ones included (as vLLM).
-- ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
-  ``vllm:prompt_tokens_cached_total`` counters: prompt, output and prefix-hit tokens.
-- ``vllm:time_to_first_token_seconds`` histogram: arrival to first token (requests that
-  got one).
-- ``vllm:inter_token_latency_seconds`` histogram: gap between consecutive output tokens
-  (``n - 1`` per request of ``n`` tokens).
-- ``vllm:e2e_request_latency_seconds`` histogram: arrival to finish.
-- ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens`` histograms: tokens
-  per request (buckets 1, 2, 5, 10, 20, 50, ... up to ``max_model_len``).
+The catalogue is README's table (Serving, "Metrics"). Names, bucket boundaries and the
+``model_name`` label follow vLLM v1 (``vllm/v1/metrics/loggers.py``) where vLLM has the
+metric (vLLM's ``engine`` label is left out: one engine); what vLLM lacks is ``hybridkv:``,
+blocks per KV cache group. Gauges show the last step (:meth:`ServerMetrics.on_step`); a
+request's tokens and latencies count when it ends, aborted ones included, as vLLM counts
+them. Blocks used per group and their peak come from the core's accounting
+(:mod:`hybridkv.core.usage`); ``free`` is the one shared pool's, the same on every group.
 
 Histograms are plain lists updated with ``bisect`` under one lock; a render copies them
 under the lock and builds the Prometheus families outside it, so the engine thread never
 waits on prometheus_client (costs: benchmarks/RESULTS.md, "Server metrics").
-
-``used`` per group and its peak come from the core's accounting
-(:mod:`hybridkv.core.usage`, with a worked example).
 """
 
 from __future__ import annotations

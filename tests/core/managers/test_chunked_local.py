@@ -7,7 +7,7 @@ from hybridkv.core.managers import ChunkedLocalAttentionManager
 from hybridkv.core.request import BlockHasher, Request
 from hybridkv.errors import InvalidArgumentError
 
-from tests.core.helpers import chunked, fake_hashes, ids, mark_cached
+from tests.support.kv_specs import chunked, fake_hashes, ids, mark_cached
 
 
 def make(chunk, bs, groups=(0,), num_blocks=200):

@@ -2,7 +2,7 @@ from hybridkv.core.block_pool import BlockPool
 from hybridkv.core.managers import FullAttentionManager
 from hybridkv.core.request import BlockHasher, Request
 
-from tests.core.helpers import fake_hashes, full, ids, mark_cached
+from tests.support.kv_specs import fake_hashes, full, ids, mark_cached
 
 
 def make(groups=(0,), num_blocks=50):

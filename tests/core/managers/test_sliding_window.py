@@ -3,7 +3,7 @@
 from hybridkv.core.block_pool import BlockPool
 from hybridkv.core.managers import SlidingWindowManager
 
-from tests.core.helpers import fake_hashes, ids, mark_cached, sliding
+from tests.support.kv_specs import fake_hashes, ids, mark_cached, sliding
 
 
 def make(window, bs, groups=(0,), num_blocks=100):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from hybridkv.engine_config import ATTENTION_BACKENDS as BACKENDS, check_backend_name
+
 __all__ = ["BACKENDS", "check_backend_name", "interpreter_on", "resolve_backend", "triton_unavailable"]
 
 
@@ -33,18 +35,6 @@ def triton_unavailable(device_type: str) -> str | None:
         f"triton kernels need a CUDA device (got {device_type!r}); on a CPU only triton's interpreter "
         "runs them (TRITON_INTERPRET=1, for tests)"
     )
-
-
-#: the attention backends ``EngineConfig.attention_backend`` accepts
-BACKENDS = ("auto", "reference", "triton")
-
-
-def check_backend_name(name: object) -> None:
-    """Refuse (InvalidConfigError) an attention backend name not in :data:`BACKENDS`."""
-    from hybridkv.errors import InvalidConfigError
-
-    if name not in BACKENDS:
-        raise InvalidConfigError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
 
 
 def resolve_backend(name: object, device_type: str) -> str:

@@ -176,10 +176,11 @@ class CausalLM(nn.Module):
         super().__init__()
         #: the language model's keys, absent ones filled with transformers' defaults (multimodal
         #: configs: the keys of ``text_config``); see :func:`~hybridkv.planner.language_model_config`
+        #: the planner's reading of the attention layers: kinds, KV heads, head size (read from the
+        #: config as given, so that its errors name a multimodal file's keys: ``text_config.x``)
+        self.layout: ModelLayers = model_layers(config, family=self.family, label=label, dtype="float32")
         self.config = language_model_config(config, family=self.family, label=label)
         config = self.config
-        #: the planner's reading of the attention layers: kinds, KV heads, head size
-        self.layout: ModelLayers = model_layers(config, family=self.family, label=label, dtype="float32")
         self.hidden_size: int = require(config, "hidden_size")
         self.vocab_size: int = require(config, "vocab_size")
         self.num_layers: int = self.layout.num_layers
@@ -247,12 +248,11 @@ class CausalLM(nn.Module):
         source = as_model_source(source)
         label = source.config_label
         multimodal = config.get("text_config") is not None
-        model_layers(config, family=cls.family, label=label)  # errors name the file's keys (text_config.x)
-        config = language_model_config(config, family=cls.family, label=label)
-        # a bad generation_config.json fails before the load; a GGUF file's ids are in its config
-        eos = eos_token_ids(config, source.path if source.kind == "dir" else None)
         with torch.device("meta"):
             model = cls(config, label=label)
+        config = model.config  # the language model's keys
+        # a bad generation_config.json fails before the load; a GGUF file's ids are in its config
+        eos = eos_token_ids(config, source.path if source.kind == "dir" else None)
         model = model.to_empty(device=device).to(torch_dtype(dtype))
         if model.tie_word_embeddings:  # to_empty() breaks the tie
             model.lm_head.weight = model.model.embed_tokens.weight

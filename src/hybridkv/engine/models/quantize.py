@@ -33,6 +33,7 @@ from typing import Iterable
 
 import torch
 
+from hybridkv.engine_config import QUANTIZATIONS
 from hybridkv.errors import InvalidConfigError
 
 __all__ = [
@@ -40,8 +41,6 @@ __all__ = [
     "int4_group_size",
 ]
 
-#: the ``--quantization`` values
-QUANTIZATIONS = ("int8", "int4")
 #: int4 group sizes, preferred first (the first that divides every input size is used)
 INT4_GROUP_SIZES = (32, 64, 128)
 #: inputs of more rows than this run on the dequantized weight (a dense GEMM)

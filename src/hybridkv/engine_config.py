@@ -1,0 +1,104 @@
+"""What the engine is built with: :class:`EngineConfig`, flat as vLLM's ``EngineArgs``, torch-free.
+
+One default per field, here: the CLI's ``generate`` / ``serve`` flags read their defaults
+from :data:`ENGINE_DEFAULTS` (no torch import to print ``--help``), and the engine's parts
+get their own small configs from it, :meth:`EngineConfig.scheduler_config` and
+:meth:`EngineConfig.cache_manager_config`, whose fields default to the same named
+constants (``scheduler.config``, ``core.config``) where the parts have one.
+
+    config = EngineConfig(block_size=16, kv_cache_memory="256MiB", quantization="int8")
+    LLMEngine("gemma-3-270m", config)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_RETENTION_INTERVAL, CacheManagerConfig
+from hybridkv.errors import InvalidConfigError
+from hybridkv.scheduler.config import (
+    DEFAULT_ADMISSION,
+    DEFAULT_QUEUED_PREFIX,
+    ENGINE_MAX_NUM_SEQS,
+    SchedulerConfig,
+)
+
+__all__ = ["ATTENTION_BACKENDS", "DTYPES", "ENGINE_DEFAULTS", "EngineConfig", "QUANTIZATIONS",
+           "check_backend_name"]
+
+#: the engine dtypes (model weights and KV cache), the default first
+DTYPES = ("float32", "bfloat16", "float16")
+#: ``attention_backend`` values: "auto" (triton on CUDA when it imports, else reference), "reference", "triton"
+ATTENTION_BACKENDS = ("auto", "reference", "triton")
+#: ``quantization`` values (weight-only, on a CPU); None is the exact weights
+QUANTIZATIONS = ("int8", "int4")
+
+
+def check_backend_name(name: object) -> None:
+    """Refuse (InvalidConfigError) an attention backend name not in :data:`ATTENTION_BACKENDS`."""
+    if name not in ATTENTION_BACKENDS:
+        raise InvalidConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How to build the engine. Give the pool as ``num_blocks`` or ``kv_cache_memory``."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | str | None = None
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = ENGINE_MAX_NUM_SEQS
+    admission: str = DEFAULT_ADMISSION  # SchedulerConfig.admission
+    enable_prefix_caching: bool = True
+    group_size: int | None = None  # default: the planner's choice
+    dtype: str = DTYPES[0]
+    device: str = "cpu"
+    seed: int = 0
+    debug_checks: bool = False  # check every KV write for null-block slots
+    hybrid: bool = True  # False: every layer's KV kept as full attention (the all-full layout)
+    enable_kv_events: bool = False  # record KV cache events (drained by engine.kv.take_events())
+    queued_prefix: str = DEFAULT_QUEUED_PREFIX  # SchedulerConfig.queued_prefix ("refresh" is the server's)
+    #: state checkpoints cached (CacheManagerConfig's): None every block, 0 the prompt's last, k every k tokens
+    prefix_cache_retention_interval: int | None = DEFAULT_RETENTION_INTERVAL
+    #: one of :data:`ATTENTION_BACKENDS`
+    attention_backend: str = ATTENTION_BACKENDS[0]
+    #: True: no CUDA graphs (decode steps run eagerly)
+    enforce_eager: bool = False
+    #: weight-only quantization on a CPU: None (the exact weights) or one of :data:`QUANTIZATIONS`
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is not None and self.kv_cache_memory is not None:
+            raise InvalidConfigError("give num_blocks or kv_cache_memory, not both")
+        if not isinstance(self.hybrid, bool):
+            raise InvalidConfigError(f"hybrid must be a bool, got {self.hybrid!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise InvalidConfigError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        check_backend_name(self.attention_backend)
+        if not self.hybrid and self.group_size is not None:
+            raise InvalidConfigError("group_size applies to the hybrid layout; with hybrid off all layers are one group")
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's limits and policies (``max_model_len``: the one in force, resolved from the model)."""
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            admission=self.admission,
+            queued_prefix=self.queued_prefix,
+        )
+
+    def cache_manager_config(self, max_model_len: int) -> CacheManagerConfig:
+        """The KV cache manager's switches."""
+        return CacheManagerConfig(
+            max_model_len=max_model_len,
+            enable_caching=self.enable_prefix_caching,
+            enable_kv_events=self.enable_kv_events,
+            prefix_cache_retention_interval=self.prefix_cache_retention_interval,
+        )
+
+
+#: field -> default (what the CLI's flags default to)
+ENGINE_DEFAULTS: dict[str, object] = {f.name: f.default for f in fields(EngineConfig)}
