@@ -28,8 +28,9 @@ __all__ = ["ATTENTION_BACKENDS", "DTYPES", "ENGINE_DEFAULTS", "EngineConfig", "Q
 
 #: the engine dtypes (model weights and KV cache), the default first
 DTYPES = ("float32", "bfloat16", "float16")
-#: ``attention_backend`` values: "auto" (triton on CUDA when it imports, else reference), "reference", "triton"
-ATTENTION_BACKENDS = ("auto", "reference", "triton")
+#: ``attention_backend`` values: "auto" (triton on CUDA when it imports; on a CPU the fused C kernels for a
+#: quantized model; else the reference), "reference", "triton", "cpu"
+ATTENTION_BACKENDS = ("auto", "reference", "triton", "cpu")
 #: ``quantization`` values (weight-only, on a CPU); None is the exact weights
 QUANTIZATIONS = ("int8", "int4")
 

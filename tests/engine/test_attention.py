@@ -12,6 +12,16 @@ from hybridkv.errors import InvalidArgumentError, InvalidConfigError, InvariantV
 H_Q, H_KV, D = 4, 2, 8
 
 
+def _cpu_backends() -> list[str]:
+    """The backends that run here on a CPU without triton: the reference, and "cpu" where its kernels build."""
+    from hybridkv.engine import cpu_ops
+
+    return ["reference"] + (["cpu"] if cpu_ops.load() is not None else [])
+
+
+CPU_BACKENDS = _cpu_backends()
+
+
 def test_masks_equal_hf_mask_functions():
     masking = pytest.importorskip("transformers.masking_utils")
     q = torch.arange(90).view(-1, 1)
@@ -61,7 +71,8 @@ def _scenario(attn, block_size, seqs, seed=0, sinks=False, softcap=None, num_blo
     outputs: also attend from only these sequences' last tokens (``keep``) and check those rows.
     """
     g = torch.Generator().manual_seed(seed)
-    storage = PagedKVStorage([[0]], block_size, num_blocks, H_KV, D)
+    # the "cpu" backend's kernel runs without debug checks (with them, each step takes the reference path)
+    storage = PagedKVStorage([[0]], block_size, num_blocks, H_KV, D, debug=backend != "cpu")
     storage.fill_blocks(list(range(num_blocks)), float("nan"))  # anything not written reads as NaN
     free = torch.randperm(num_blocks - 1, generator=g).add(1).tolist()
     tables, hist = [], []
@@ -110,8 +121,32 @@ SEQS = [(0, 13), (21, 1), (37, 6), (5, 1), (58, 9)]
     ids=lambda a: f"{a.kind}{a.size or ''}",
 )
 @pytest.mark.parametrize("block_size", [4, 8])
-def test_paged_attention_matches_dense(attn, block_size):
-    _scenario(attn, block_size, SEQS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_paged_attention_matches_dense(attn, block_size, backend):
+    _scenario(attn, block_size, SEQS, backend=backend)  # "cpu": a mixed step, the reference path
+
+
+# decode steps: one query per sequence (the "cpu" backend's fused kernel)
+ONE_QUERY = [(21, 1), (5, 1), (70, 1), (0, 1), (33, 1), (16, 1), (47, 1)]
+
+
+@pytest.mark.parametrize(
+    "attn",
+    [FULL, AttentionType("sliding", 1), AttentionType("sliding", 7), AttentionType("sliding", 16),
+     AttentionType("chunked", 10), AttentionType("chunked", 16)],
+    ids=lambda a: f"{a.kind}{a.size or ''}",
+)
+@pytest.mark.parametrize("block_size", [1, 4, 8])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_decode_steps_match_dense(attn, block_size, backend, monkeypatch):
+    from hybridkv.engine import cpu_ops
+
+    calls = []
+    kernel = cpu_ops.decode_attention
+    monkeypatch.setattr(cpu_ops, "decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    for seed in range(3):
+        _scenario(attn, block_size, ONE_QUERY[seed:], seed=seed, num_blocks=400, backend=backend)
+    assert len(calls) == (3 if backend == "cpu" else 0)  # the fused kernel ran every decode step
 
 
 # long prefills (several chunk / window pieces, history reads, several buckets) next to decodes
@@ -124,8 +159,9 @@ LONG = [(0, 70), (0, 21), (33, 40), (5, 1), (64, 1), (0, 3), (90, 2), (17, 16)]
     ids=lambda a: f"{a.kind}{a.size or ''}",
 )
 @pytest.mark.parametrize("block_size", [4, 8])
-def test_many_buckets_match_dense(attn, block_size):
-    _scenario(attn, block_size, LONG, seed=5, num_blocks=200, outputs=[6, 0, 3, 7])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_many_buckets_match_dense(attn, block_size, backend):
+    _scenario(attn, block_size, LONG, seed=5, num_blocks=200, outputs=[6, 0, 3, 7], backend=backend)
 
 
 def test_sinks_with_long_prefills_match_dense():
@@ -133,12 +169,16 @@ def test_sinks_with_long_prefills_match_dense():
     _scenario(FULL, 4, LONG, seed=7, softcap=2.0, num_blocks=200)
 
 
-def test_sinks_and_softcap_match_dense():
-    _scenario(AttentionType("sliding", 9), 4, SEQS, seed=3, sinks=True)
-    _scenario(FULL, 8, SEQS, seed=4, softcap=2.0)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_sinks_and_softcap_match_dense(backend):
+    _scenario(AttentionType("sliding", 9), 4, SEQS, seed=3, sinks=True, backend=backend)
+    _scenario(FULL, 8, SEQS, seed=4, softcap=2.0, backend=backend)
+    # decode steps with sinks or soft-capping: the "cpu" backend leaves them to the reference
+    _scenario(AttentionType("sliding", 9), 4, ONE_QUERY, seed=5, sinks=True, num_blocks=200, backend=backend)
+    _scenario(FULL, 4, ONE_QUERY, seed=6, softcap=2.0, num_blocks=200, backend=backend)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", "cpu"])
 def test_null_block_in_needed_range_is_an_invariant_violation(backend):
     if backend == "triton":
         pytest.importorskip("triton")

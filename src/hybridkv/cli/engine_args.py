@@ -40,8 +40,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, max_num_seqs_default: str)
                         "vLLM's), all every block, N every N tokens (a multiple of the block size)")
     p.add_argument("--device", type=_device, default=D["device"], help=f"cpu, cuda or cuda:N (default {D['device']})")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=D["attention_backend"],
-                   help="paged attention: triton kernels (CUDA), the reference (torch ops), or auto: triton on "
-                        f"CUDA when triton imports, else the reference (default {D['attention_backend']})")
+                   help="paged attention: triton kernels (CUDA), the reference (torch ops), cpu (fused C decode "
+                        "kernels, compiled on first use), or auto: triton on CUDA when triton imports, cpu for a "
+                        f"--quantization model on a CPU, else the reference (default {D['attention_backend']})")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=D["quantization"],
                    help="weight-only quantization on a CPU: int8 per output channel, int4 in groups of 32 "
                         "(embeddings and output projection included; default: the exact weights)")
@@ -59,7 +60,7 @@ def engine_config(args: argparse.Namespace, max_num_seqs: int):
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InvalidConfigError(f"--device {args.device}: this torch build sees no CUDA device")
-    resolve_backend(args.attention_backend, device.type)  # refused before the model loads
+    resolve_backend(args.attention_backend, device.type, quantized=args.quantization is not None)  # refused before the model loads
     return EngineConfig(
         device=args.device, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         quantization=args.quantization,

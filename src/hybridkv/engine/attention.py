@@ -38,7 +38,8 @@ from hybridkv.engine.host import long_tensor
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 
-__all__ = ["AttentionType", "FULL", "AttentionMetadata", "paged_attention", "allowed_key_mask", "padded_tables"]
+__all__ = ["AttentionType", "FULL", "AttentionMetadata", "paged_attention", "reference_paged_attention",
+           "allowed_key_mask", "padded_tables"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,8 @@ class AttentionMetadata:
     block_tables: list[torch.Tensor]
     slot_mappings: list[torch.Tensor]
     output_seqs: list[int] | None = None
-    backend: str = "reference"  # "reference" (this module) or "triton" (hybridkv.engine.attention_triton)
+    #: "reference" (this module), "triton" (hybridkv.engine.attention_triton) or "cpu" (hybridkv.engine.attention_cpu)
+    backend: str = "reference"
     #: a CUDA-graph decode step: no sequence has more keys than this (its splits are fixed by it, not by the step)
     decode_key_bound: int | None = None
     block_ids: Sequence[Sequence[Sequence[int]]] | None = None  # the tables as given (cascade reads them)
@@ -287,6 +289,26 @@ def paged_attention(
         from hybridkv.engine.attention_triton import triton_paged_attention
 
         return triton_paged_attention(query, key, value, meta, layer, attn, scale, sinks, softcap, keep)
+    if meta.backend == "cpu":
+        from hybridkv.engine.attention_cpu import cpu_paged_attention
+
+        return cpu_paged_attention(query, key, value, meta, layer, attn, scale, sinks, softcap, keep)
+    return reference_paged_attention(query, key, value, meta, layer, attn, scale, sinks, softcap, keep)
+
+
+def reference_paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+    layer: int,
+    attn: AttentionType,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`paged_attention` in torch ops (this module's buckets), whatever ``meta.backend``."""
     storage = meta.storage
     group = storage.group_of(layer)
     storage.write(layer, meta.slot_mappings[group], key, value)

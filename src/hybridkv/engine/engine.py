@@ -127,8 +127,9 @@ class LLMEngine:
 
     def __init__(self, model: str | Path | ModelSource | CausalLM, config: EngineConfig = EngineConfig()):
         self.config = config
-        #: the attention backend in use ("reference" or "triton"), resolved from config.attention_backend
-        self.attention_backend = resolve_backend(config.attention_backend, torch.device(config.device).type)
+        #: the attention backend in use ("reference", "triton" or "cpu"), resolved from config.attention_backend
+        self.attention_backend = resolve_backend(config.attention_backend, torch.device(config.device).type,
+                                                 quantized=config.quantization is not None)
         check_quantization(config.quantization, config.device)  # before the model loads
         if torch.device(config.device).type == "cpu":
             fit_threads_to_affinity()

@@ -201,6 +201,10 @@ class PagedKVStorage:
         """The ``[2, H, num_blocks, block_size, D]`` tensor that holds ``layer``."""
         return self.kv_caches[self._locate(layer)[1]]
 
+    def layer_kv(self, layer: int) -> torch.Tensor:
+        """``layer``'s K and V by slot: ``[2 * H, num_slots, D]`` contiguous (rows ``:H`` keys, ``H:`` values)."""
+        return self._by_slot[self._locate(layer)[1]]
+
     def flat_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s K and V viewed by slot: two ``[num_slots, H, D]`` (strided) views."""
         flat = self._by_slot[self._locate(layer)[1]].view(2, self.num_kv_heads, self.num_slots, self.head_size)

@@ -13,7 +13,8 @@ import os
 
 from hybridkv.engine_config import ATTENTION_BACKENDS as BACKENDS, check_backend_name
 
-__all__ = ["BACKENDS", "check_backend_name", "interpreter_on", "resolve_backend", "triton_unavailable"]
+__all__ = ["BACKENDS", "check_backend_name", "cpu_kernels_unavailable", "interpreter_on", "resolve_backend",
+           "triton_unavailable"]
 
 
 def interpreter_on() -> bool:
@@ -37,16 +38,34 @@ def triton_unavailable(device_type: str) -> str | None:
     )
 
 
-def resolve_backend(name: object, device_type: str) -> str:
-    """``"auto"`` -> ``"triton"`` on CUDA when the kernels can run there, else ``"reference"``;
-    ``"triton"`` where the kernels cannot run is an InvalidConfigError saying why."""
+def resolve_backend(name: object, device_type: str, quantized: bool = False) -> str:
+    """The backend a config's ``attention_backend`` names on ``device_type``.
+
+    ``"auto"``: ``"triton"`` on CUDA when the kernels can run there; on a CPU ``"cpu"`` (the
+    fused C decode kernels, :mod:`hybridkv.engine.attention_cpu`) for a ``quantized`` model
+    when they build, else ``"reference"`` (the exact path stays the default). ``"triton"`` or
+    ``"cpu"`` where they cannot run is an InvalidConfigError saying why.
+    """
     from hybridkv.errors import InvalidConfigError
 
     check_backend_name(name)
     if name == "auto":
-        return "triton" if device_type == "cuda" and triton_unavailable("cuda") is None else "reference"
+        if device_type == "cuda":
+            return "triton" if triton_unavailable("cuda") is None else "reference"
+        return "cpu" if device_type == "cpu" and quantized and cpu_kernels_unavailable() is None else "reference"
     if name == "triton":
         why = triton_unavailable(device_type)
         if why is not None:
             raise InvalidConfigError(f"attention_backend 'triton' cannot run here: {why}")
+    if name == "cpu":
+        why = "it runs on a CPU, not " + device_type if device_type != "cpu" else cpu_kernels_unavailable()
+        if why is not None:
+            raise InvalidConfigError(f"attention_backend 'cpu' cannot run here: {why}")
     return str(name)
+
+
+def cpu_kernels_unavailable() -> str | None:
+    """Why the fused CPU kernels cannot be built here (None when they can; builds them once)."""
+    from hybridkv.engine import cpu_ops
+
+    return cpu_ops.unavailable()

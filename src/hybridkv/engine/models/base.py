@@ -109,7 +109,8 @@ class DecoderLayer(nn.Module):
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """h [T, hidden] -> [T, hidden]; with ``keep`` [N] (the last layer), [N, hidden] for those rows."""
-        a = self.self_attn(self.input_layernorm(h), positions, rope, meta, keep=keep)  # [T or N, hidden]
+        # submodules through forward(): inference runs no hooks, and a call costs ~1 us less
+        a = self.self_attn.forward(self.input_layernorm.forward(h), positions, rope, meta, keep=keep)  # [T or N, hidden]
         if keep is not None:  # only these rows go on (see CausalLM.forward)
             h = h.index_select(0, keep)
         h = self.attn_branch(a).add_(h)  # a fresh tensor: add in place (h + a, bit for bit)
@@ -121,7 +122,7 @@ class DecoderLayer(nn.Module):
 
     def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
         """What the MLP adds to the residual stream; must return a fresh tensor."""
-        return self.ffn(self.post_attention_layernorm(h))
+        return self.ffn.forward(self.post_attention_layernorm.forward(h))
 
 
 class DecoderStack(nn.Module):
@@ -275,6 +276,8 @@ class CausalLM(nn.Module):
                 final_cache.save_final(model, final)
         if quantization is None:
             model.prepack_weights(prepack)
+        elif torch.device(device).type == "cpu":
+            model.use_cpu_kernels(True)
         model.eos_token_ids = eos
         model.source = source
         return model.eval().requires_grad_(False)
@@ -334,6 +337,19 @@ class CausalLM(nn.Module):
         from hybridkv.engine.models.quantize_model import quantize_model
 
         quantize_model(self, mode, compute_dtype)
+        self.use_cpu_kernels(self.model.norm.weight.device.type == "cpu")  # the quantized model's fast path
+
+    def use_cpu_kernels(self, enable: bool = True) -> bool:
+        """Run the RMSNorms' fp32 rows through the fused C kernel (:mod:`hybridkv.engine.cpu_ops`)
+        when ``enable`` and the kernels build here; returns whether they do. The loader turns this
+        on for quantized models (their fast path); the exact default keeps torch's ops."""
+        from hybridkv.engine import cpu_ops
+
+        on = bool(enable) and cpu_ops.load() is not None
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.cpu_kernels = on
+        return on
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -364,9 +380,9 @@ class CausalLM(nn.Module):
         rope = {name: r.tables(positions, hidden.dtype) for name, r in self.rotaries.items()}  # once per step
         *layers, last = self.model.layers  # (slicing a ModuleList builds a new one each step)
         for layer in layers:
-            hidden = layer(hidden, positions, rope, meta)
-        hidden = last(hidden, positions, rope, meta, keep=keep)
-        return self.model.norm(hidden)
+            hidden = layer.forward(hidden, positions, rope, meta)
+        hidden = last.forward(hidden, positions, rope, meta, keep=keep)
+        return self.model.norm.forward(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab]."""

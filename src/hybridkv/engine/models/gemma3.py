@@ -73,10 +73,10 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
 
     def attn_branch(self, a: torch.Tensor) -> torch.Tensor:
-        return self.post_attention_layernorm(a)
+        return self.post_attention_layernorm.forward(a)
 
     def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
-        return self.post_feedforward_layernorm(self.ffn(self.pre_feedforward_layernorm(h)))
+        return self.post_feedforward_layernorm.forward(self.ffn.forward(self.pre_feedforward_layernorm.forward(h)))
 
 
 class Gemma3ForCausalLM(CausalLM):

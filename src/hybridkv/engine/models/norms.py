@@ -16,6 +16,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from hybridkv.engine import cpu_ops
+
 __all__ = ["RMSNorm", "rms_norm_heads"]
 
 
@@ -29,6 +31,9 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
         self._scale: torch.Tensor | None = None  # the fp32 multiplier, see scale()
         self._scale_of: tuple | None = None  # (weight storage, version, device) it was made from
+        #: fp32 rows through the fused C kernel (:mod:`hybridkv.engine.cpu_ops`), set by
+        #: :meth:`~hybridkv.engine.models.base.CausalLM.use_cpu_kernels` on a quantized model
+        self.cpu_kernels = False
 
     def weight_key(self) -> tuple:
         """Changes whenever the weight does (storage, in-place version, dtype, device)."""
@@ -48,6 +53,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (x.shape[-1],)
+        if self.cpu_kernels and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1:
+            return cpu_ops.rms_norm(x, self.scale(), self.eps)
         if x.dtype == torch.float32:
             return nn.functional.rms_norm(x, shape, self.scale(), self.eps)
         if self.unit_offset:
@@ -76,6 +83,8 @@ def rms_norm_heads(x: torch.Tensor, norms: Sequence[tuple[RMSNorm, int]], cache:
         cache["key"] = key
     scale = cache["scale"]
     shape = (x.shape[-1],)
+    if first.cpu_kernels and x.dtype == torch.float32 and x.dim() == 3 and x.device.type == "cpu" and x.stride(-1) == 1:
+        return cpu_ops.rms_norm(x, scale, first.eps)
     if x.dtype == torch.float32:
         return nn.functional.rms_norm(x, shape, None, first.eps).mul_(scale)
     if in_fp32:

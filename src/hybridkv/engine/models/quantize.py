@@ -76,6 +76,9 @@ class Int8Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [.., K] -> [.., N] (computed in the scales' dtype, returned in x's)."""
+        if bias is None and x.dim() == 2 and x.shape[0] <= KERNEL_ROWS:  # decode rows: the fewest calls
+            out = torch.ops.aten._weight_int8pack_mm(x.to(self.scales.dtype), self.q, self.scales)
+            return out.to(x.dtype)
         x2 = _rows_in(x, self.scales.dtype)  # [M, K]
         if x2.shape[0] > KERNEL_ROWS:
             out = torch.nn.functional.linear(x2, self.dense())
@@ -146,6 +149,11 @@ class Int4Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [.., K] -> [.., N] (computed in the scales' dtype, returned in x's)."""
+        if bias is None and x.dim() == 2 and x.shape[0] <= KERNEL_ROWS and self._mm_scales_zeros.shape[1] == self.shape[0]:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(self.scales_zeros.dtype), self.packed, self.group, self._mm_scales_zeros
+            )
+            return out.to(x.dtype)
         x2 = _rows_in(x, self.scales_zeros.dtype)  # [M, K]
         if x2.shape[0] > KERNEL_ROWS:
             out = torch.nn.functional.linear(x2, self.dense())

@@ -1,0 +1,182 @@
+"""Fused CPU kernels of the decode path, compiled from ``cpu_ops.c`` on first use.
+
+A CPU decode step of a small model spends more time between its matmuls than in them: per
+layer an RMSNorm is ~8 torch ops (~7 us), and the paged attention of one query (K/V write,
+key gather, ``scaled_dot_product_attention``, views) ~60 us on SmolLM2-135M. Two kernels in
+plain C replace them (fp32, one thread, vectorized by gcc):
+
+* :func:`rms_norm` - rows of ``[T, H, D]`` (any row strides) normalized and scaled by a
+  per-head multiplier ``[H or 1, D]`` (:meth:`~hybridkv.engine.models.norms.RMSNorm.scale`);
+* :func:`decode_attention` - one query per sequence: the step's K/V written to their slots,
+  then scores, softmax and the weighted values read straight through the block table
+  (no gather), GQA by ``h // rep``.
+
+The source is compiled once per machine, compiler and source (``gcc -O3 -march=native
+-fopenmp-simd``, about a second) into ``<cache>/cpu_ops/`` (the tensor cache's folder,
+:func:`~hybridkv.engine.models.tensor_cache.cache_dir`; a temporary folder when that is off)
+and loaded as an extension module. Where it cannot be built (no compiler, no Python headers)
+:func:`load` returns None, :func:`unavailable` says why, and the engine keeps its torch path;
+``HYBRIDKV_CPU_OPS=off`` turns them off. The kernels' results differ from torch's by float
+rounding (another summation order, a polynomial ``exp``): the engine uses them only on its
+fast paths (weight-only quantization), never on the exact fp32 default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = ["decode_attention", "load", "rms_norm", "unavailable"]
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11")
+MODULE = "_hybridkv_cpu_ops"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def _cpu_flags() -> str:
+    """What ``-march=native`` compiles for: the CPU's feature flags (a home folder shared by
+    machines of other CPUs must not share the module)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        import platform
+
+        return platform.machine() + platform.processor()
+
+
+def _build(folder: Path, cc: str) -> Path:
+    """The compiled module's path under ``folder`` (built there when missing)."""
+    include = sysconfig.get_paths()["include"]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode() + include.encode()
+                         + _cpu_flags().encode())
+    path = folder / f"{MODULE}-{key.hexdigest()[:16]}{suffix}"
+    if path.exists():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f"{path.name}.tmp-{os.getpid()}"
+    cmd = [cc, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(tmp), "-lm"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{cc} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    os.replace(tmp, path)  # another process may have built it meanwhile: same bytes
+    return path
+
+
+def _load_uncached() -> ModuleType:
+    if os.environ.get("HYBRIDKV_CPU_OPS", "").strip().lower() in ("off", "0", "false", "no"):
+        raise RuntimeError("turned off (HYBRIDKV_CPU_OPS=off)")
+    if not SOURCE.exists():
+        raise RuntimeError(f"{SOURCE.name} is not installed beside {__name__}")
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        raise RuntimeError("no Python headers (Python.h) to compile against")
+    from hybridkv.engine.models.tensor_cache import cache_dir
+
+    base = cache_dir()
+    folder = base / "cpu_ops" if base is not None else Path(tempfile.mkdtemp(prefix="hybridkv-cpu-ops-"))
+    try:
+        path = _build(folder, cc)
+    except OSError:  # a read-only cache folder: build in a temporary one
+        path = _build(Path(tempfile.mkdtemp(prefix="hybridkv-cpu-ops-")), cc)
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def load() -> ModuleType | None:
+    """The compiled kernels, built on first call (None where they cannot be: :func:`unavailable`)."""
+    if "module" not in _state:
+        with _lock:
+            if "module" not in _state:
+                try:
+                    _state["module"] = _load_uncached()
+                except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:
+                    _state["module"], _state["why"] = None, str(exc)
+    return _state["module"]  # type: ignore[return-value]
+
+
+def unavailable() -> str | None:
+    """Why the kernels cannot be used (None when :func:`load` gives them)."""
+    load()
+    return _state.get("why")  # type: ignore[return-value]
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [.., D] or [T, H, D] fp32 (unit stride in D) -> [same shape] fp32 contiguous:
+    ``x / sqrt(mean(x^2) + eps) * scale``, scale [D] or [H, D] fp32 contiguous (per head)."""
+    ops = load()
+    d = x.shape[-1]
+    if x.dim() == 3:
+        t, h = x.shape[0], x.shape[1]
+        st, sh = x.stride(0), x.stride(1)
+    else:
+        x = x.reshape(-1, d) if x.dim() != 2 else x
+        t, h, st, sh = x.shape[0], 1, x.stride(0), 0
+    rows = 1 if scale.dim() == 1 else scale.shape[0]
+    out = torch.empty(x.shape, dtype=torch.float32) if out is None else out
+    ops.rms_norm(x.data_ptr(), out.data_ptr(), scale.data_ptr(), t, h, d, st, sh, rows, eps)
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    kv: torch.Tensor,
+    tables: torch.Tensor,
+    first: torch.Tensor,
+    pos: torch.Tensor,
+    block_size: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query per sequence through its block table. q [S, Hq, D]; k_new / v_new [S, Hkv, D]
+    (written at position ``pos[s]`` first; None: nothing written); kv [2 Hkv, num_slots, D]
+    contiguous (keys, then values); tables [S, W] int64 (rows contiguous); first / pos [S]
+    int64: sequence s attends to positions first[s] .. pos[s]. All fp32 with unit stride in D.
+    Returns out [S, Hq, D] contiguous."""
+    ops = load()
+    s, hq, d = q.shape
+    hkv = kv.shape[0] // 2
+    out = torch.empty((s, hq, d), dtype=torch.float32) if out is None else out
+    if k_new is None:
+        kp = vp = 0
+        ns = nh = 0
+    else:
+        if k_new.stride() != v_new.stride():
+            v_new = v_new.contiguous()
+            k_new = k_new.contiguous()
+        kp, vp = k_new.data_ptr(), v_new.data_ptr()
+        ns, nh = k_new.stride(0), k_new.stride(1)
+    ops.decode_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), kp, vp, ns, nh, kv.data_ptr(), kv.shape[1], hkv, d,
+        hq // hkv, tables.data_ptr(), tables.stride(0), first.data_ptr(), pos.data_ptr(), s, block_size,
+        scale, out.data_ptr(),
+    )
+    return out

@@ -1,0 +1,199 @@
+/* Fused CPU kernels of the decode path (see cpu_ops/__init__.py): RMSNorm rows and paged
+ * decode attention (the step's K/V write and the attention of one query per sequence).
+ *
+ * Plain C over raw pointers: the Python side passes each tensor's data_ptr() and strides
+ * (in elements) and keeps the tensors alive for the call. fp32 only. Single-threaded; the
+ * loops are written so that gcc -O3 vectorizes them (#pragma omp simd, -fopenmp-simd: no
+ * OpenMP runtime is linked).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) as 2^n * 2^f, f in
+ * [-0.5, 0.5], 2^f by Cephes' exp2f polynomial (relative error < 2e-7); x < -86 gives 0
+ * (e^-86 < 1e-37, and 2^n stays a normal float). */
+static inline float exp_neg(float x) {
+    if (x < -86.0f) return 0.0f;
+    float t = x * 1.44269504088896341f;
+    float n = nearbyintf(t);
+    float f = t - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    union { float f; int32_t i; } u;
+    u.f = p;
+    u.i += ((int32_t)n) << 23;
+    return u.f;
+}
+
+/* rms_norm(x, out, scale, T, H, D, sT, sH, scale_rows, eps)
+ * row (t, h) of x: x + t*sT + h*sH, D contiguous values; out [T, H, D] contiguous;
+ * out = x / sqrt(mean(x^2) + eps) * scale[h % scale_rows]  (scale [scale_rows, D]). */
+static PyObject *rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "rms_norm takes 10 arguments");
+        return NULL;
+    }
+    const float *x = (const float *)PyLong_AsVoidPtr(args[0]);
+    float *out = (float *)PyLong_AsVoidPtr(args[1]);
+    const float *scale = (const float *)PyLong_AsVoidPtr(args[2]);
+    long T = PyLong_AsLong(args[3]), H = PyLong_AsLong(args[4]), D = PyLong_AsLong(args[5]);
+    long sT = PyLong_AsLong(args[6]), sH = PyLong_AsLong(args[7]), rows = PyLong_AsLong(args[8]);
+    float eps = (float)PyFloat_AsDouble(args[9]);
+    if (PyErr_Occurred()) return NULL;
+    for (long t = 0; t < T; t++) {
+        for (long h = 0; h < H; h++) {
+            const float *xr = x + t * sT + h * sH;
+            const float *sr = scale + (h % rows) * D;
+            float *o = out + (t * H + h) * D;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (long i = 0; i < D; i++) acc += xr[i] * xr[i];
+            float r = 1.0f / sqrtf(acc / (float)D + eps);
+#pragma omp simd
+            for (long i = 0; i < D; i++) o[i] = xr[i] * r * sr[i];
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static float *scratch = NULL;
+static size_t scratch_len = 0;
+
+static float *scratch_for(size_t n) {
+    if (n > scratch_len) {
+        float *p = (float *)realloc(scratch, n * sizeof(float));
+        if (p == NULL) return NULL;
+        scratch = p;
+        scratch_len = n;
+    }
+    return scratch;
+}
+
+/* decode_attention(q, q_sS, q_sH, k_new, v_new, new_sS, new_sH, kv, num_slots, Hkv, D, rep,
+ *                  tables, table_stride, first, pos, S, block_size, scale, out)
+ * q [S, Hq = Hkv * rep, D] (strides q_sS, q_sH); k_new / v_new [S, Hkv, D] (strides new_sS,
+ * new_sH; k_new 0: nothing written) go to the slot of position pos[s] first; kv: the layer's
+ * [2 Hkv, num_slots, D] (keys, then values); tables int64 [S, table_stride]; sequence s reads
+ * key positions first[s] .. pos[s], position p at slot tables[s][p / block_size] * block_size
+ * + p % block_size; out [S, Hq, D] contiguous. Query head h reads KV head h / rep. */
+static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 20) {
+        PyErr_SetString(PyExc_TypeError, "decode_attention takes 20 arguments");
+        return NULL;
+    }
+    const float *q = (const float *)PyLong_AsVoidPtr(args[0]);
+    long q_sS = PyLong_AsLong(args[1]), q_sH = PyLong_AsLong(args[2]);
+    const float *k_new = (const float *)PyLong_AsVoidPtr(args[3]);
+    const float *v_new = (const float *)PyLong_AsVoidPtr(args[4]);
+    long new_sS = PyLong_AsLong(args[5]), new_sH = PyLong_AsLong(args[6]);
+    float *kv = (float *)PyLong_AsVoidPtr(args[7]);
+    long num_slots = PyLong_AsLong(args[8]), Hkv = PyLong_AsLong(args[9]), D = PyLong_AsLong(args[10]);
+    long rep = PyLong_AsLong(args[11]);
+    const int64_t *tables = (const int64_t *)PyLong_AsVoidPtr(args[12]);
+    long table_stride = PyLong_AsLong(args[13]);
+    const int64_t *first = (const int64_t *)PyLong_AsVoidPtr(args[14]);
+    const int64_t *pos = (const int64_t *)PyLong_AsVoidPtr(args[15]);
+    long S = PyLong_AsLong(args[16]), bs = PyLong_AsLong(args[17]);
+    float scale = (float)PyFloat_AsDouble(args[18]);
+    float *out = (float *)PyLong_AsVoidPtr(args[19]);
+    if (PyErr_Occurred()) return NULL;
+    float *keys_v = kv + Hkv * num_slots * D;
+    long Hq = Hkv * rep;
+    for (long s = 0; s < S; s++) {
+        const int64_t *table = tables + s * table_stride;
+        long p_last = (long)pos[s], p0 = (long)first[s];
+        long n = p_last - p0 + 1;
+        if (p0 < 0 || n < 1 || p_last / bs >= table_stride) {
+            PyErr_Format(PyExc_ValueError, "sequence %ld: positions %ld..%ld outside its table of %ld blocks of %ld",
+                         s, p0, p_last, table_stride, bs);
+            return NULL;
+        }
+        for (long b = p0 / bs; b <= p_last / bs; b++) {
+            if (table[b] < 0 || (table[b] + 1) * bs > num_slots) {
+                PyErr_Format(PyExc_ValueError, "sequence %ld: block id %ld outside the pool of %ld slots", s,
+                             (long)table[b], num_slots);
+                return NULL;
+            }
+        }
+        if (k_new != NULL) {
+            long slot = (long)table[p_last / bs] * bs + p_last % bs;
+            for (long g = 0; g < Hkv; g++) {
+                memcpy(kv + (g * num_slots + slot) * D, k_new + s * new_sS + g * new_sH, D * sizeof(float));
+                memcpy(keys_v + (g * num_slots + slot) * D, v_new + s * new_sS + g * new_sH, D * sizeof(float));
+            }
+        }
+        float *sc = scratch_for((size_t)(rep * n));
+        if (sc == NULL) return PyErr_NoMemory();
+        for (long g = 0; g < Hkv; g++) {
+            const float *qg = q + s * q_sS + g * rep * q_sH;
+            const float *kg = kv + g * num_slots * D;
+            const float *vg = keys_v + g * num_slots * D;
+            /* scores [rep, n], block by block (a block's slots are consecutive rows) */
+            for (long b = p0 / bs, j = 0; b <= p_last / bs; b++) {
+                long lo = b * bs > p0 ? b * bs : p0, hi = (b + 1) * bs <= p_last ? (b + 1) * bs : p_last + 1;
+                const float *k = kg + ((long)table[b] * bs + (lo - b * bs)) * D;
+                for (long p = lo; p < hi; p++, j++, k += D) {
+                    for (long r = 0; r < rep; r++) {
+                        const float *qr = qg + r * q_sH;
+                        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                        for (long i = 0; i < D; i++) acc += qr[i] * k[i];
+                        sc[r * n + j] = acc * scale;
+                    }
+                }
+            }
+            /* softmax per query head */
+            for (long r = 0; r < rep; r++) {
+                float *row = sc + r * n;
+                float m = row[0];
+                for (long j = 1; j < n; j++) m = row[j] > m ? row[j] : m;
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (long j = 0; j < n; j++) {
+                    float e = exp_neg(row[j] - m);
+                    row[j] = e;
+                    sum += e;
+                }
+                float inv = 1.0f / sum;
+#pragma omp simd
+                for (long j = 0; j < n; j++) row[j] *= inv;
+            }
+            /* out[s, g*rep + r] = sum_j p[r, j] v_j */
+            float *og = out + (s * Hq + g * rep) * D;
+            memset(og, 0, rep * D * sizeof(float));
+            for (long b = p0 / bs, j = 0; b <= p_last / bs; b++) {
+                long lo = b * bs > p0 ? b * bs : p0, hi = (b + 1) * bs <= p_last ? (b + 1) * bs : p_last + 1;
+                const float *v = vg + ((long)table[b] * bs + (lo - b * bs)) * D;
+                for (long p = lo; p < hi; p++, j++, v += D) {
+                    for (long r = 0; r < rep; r++) {
+                        float w = sc[r * n + j];
+                        float *o = og + r * D;
+#pragma omp simd
+                        for (long i = 0; i < D; i++) o[i] += w * v[i];
+                    }
+                }
+            }
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_FASTCALL, "RMSNorm of fp32 rows"},
+    {"decode_attention", (PyCFunction)(void (*)(void))decode_attention, METH_FASTCALL,
+     "K/V write and paged attention of one query per sequence (fp32)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hybridkv_cpu_ops", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__hybridkv_cpu_ops(void) { return PyModule_Create(&module); }

@@ -1,0 +1,158 @@
+"""The fused CPU kernels (hybridkv.engine.cpu_ops) against torch, the "cpu" attention backend's
+choice, and what happens where the kernels cannot be built. The attention kernel is also run
+against the dense reference in tests/engine/test_attention.py (backend "cpu")."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybridkv.engine import cpu_ops
+from hybridkv.engine.kernels import resolve_backend
+from hybridkv.errors import InvalidConfigError
+
+pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason=f"cpu kernels unavailable: {cpu_ops.unavailable()}")
+
+
+def _torch_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), None, eps) * scale
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_rms_norm_matches_torch_on_random_shapes_and_strides(seed):
+    g = torch.Generator().manual_seed(seed)
+    t, h = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+    d = [1, 7, 64, 100, 256][seed % 5]
+    big = torch.randn(t, h + 2, d + 3, generator=g) * (10.0 ** float(torch.randint(-3, 4, (1,), generator=g)))
+    x = big[:, 1 : h + 1, 2 : d + 2]  # [T, H, D] strided rows, unit stride in D
+    per_head = torch.rand(h, d, generator=g) + 0.5
+    eps = [1e-6, 1e-5, 0.1][seed % 3]
+    torch.testing.assert_close(cpu_ops.rms_norm(x, per_head, eps), _torch_norm(x, per_head, eps), rtol=1e-5, atol=1e-6)
+    flat = big[:, 0, :d]  # [T, D] with a row stride
+    one = torch.rand(d, generator=g)
+    torch.testing.assert_close(cpu_ops.rms_norm(flat, one, eps), _torch_norm(flat, one, eps), rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_of_zeros_is_zero():
+    out = cpu_ops.rms_norm(torch.zeros(2, 8), torch.ones(8), 1e-6)
+    assert torch.equal(out, torch.zeros(2, 8))
+
+
+def _dense(q, k, v, scale):
+    """q [Hq, D], k / v [n, Hkv, D] -> [Hq, D]."""
+    rep = q.shape[0] // k.shape[1]
+    kk = k.repeat_interleave(rep, dim=1).transpose(0, 1)  # [Hq, n, D]
+    vv = v.repeat_interleave(rep, dim=1).transpose(0, 1)
+    p = torch.softmax(torch.einsum("hd,hnd->hn", q.double(), kk.double()) * scale, -1)
+    return torch.einsum("hn,hnd->hd", p, vv.double()).float()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_decode_attention_writes_then_attends_through_random_tables(seed):
+    g = torch.Generator().manual_seed(seed)
+    hkv, rep = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+    d, bs = [8, 16, 64, 80][seed % 4], [1, 3, 4, 16][seed % 4]
+    s = int(torch.randint(1, 5, (1,), generator=g))
+    width = 12
+    num_blocks = s * width + 1
+    kv = torch.randn(2 * hkv, num_blocks * bs, d, generator=g)
+    tables = (torch.randperm(num_blocks - 1, generator=g)[: s * width] + 1).view(s, width)
+    pos = torch.randint(0, width * bs, (s,), generator=g)
+    first = (pos - torch.randint(0, width * bs, (s,), generator=g)).clamp(min=0)
+    # extreme scores: the softmax's exp must hold up far from 0
+    q = torch.randn(s, hkv * rep, d, generator=g) * (30.0 if seed % 3 == 0 else 1.0)
+    k_new, v_new = torch.randn(s, hkv, d, generator=g), torch.randn(s, hkv, d, generator=g)
+    want_kv = kv.clone()
+    for i in range(s):
+        p = int(pos[i])
+        slot = int(tables[i, p // bs]) * bs + p % bs
+        want_kv[:hkv, slot], want_kv[hkv:, slot] = k_new[i], v_new[i]
+    out = cpu_ops.decode_attention(q, k_new, v_new, kv, tables, first, pos, bs, 0.37)
+    assert torch.equal(kv, want_kv)
+    for i in range(s):
+        ps = torch.arange(int(first[i]), int(pos[i]) + 1)
+        slots = tables[i, ps // bs] * bs + ps % bs
+        k, v = kv[:hkv, slots].transpose(0, 1), kv[hkv:, slots].transpose(0, 1)  # [n, Hkv, D]
+        torch.testing.assert_close(out[i], _dense(q[i], k, v, 0.37), rtol=1e-4, atol=1e-5)
+    again = cpu_ops.decode_attention(q, None, None, kv, tables, first, pos, bs, 0.37)  # nothing written
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+
+
+def test_decode_attention_refuses_positions_and_blocks_outside_its_tables():
+    kv = torch.zeros(2, 8 * 4, 8)
+    tables = torch.tensor([[1, 2]])
+    q = torch.zeros(1, 1, 8)
+    with pytest.raises(ValueError, match="outside its table"):
+        cpu_ops.decode_attention(q, None, None, kv, tables, torch.tensor([0]), torch.tensor([8]), 4, 1.0)
+    with pytest.raises(ValueError, match="outside its table"):
+        cpu_ops.decode_attention(q, None, None, kv, tables, torch.tensor([-1]), torch.tensor([3]), 4, 1.0)
+    with pytest.raises(ValueError, match="outside the pool"):
+        cpu_ops.decode_attention(q, None, None, kv, torch.tensor([[1, 8]]), torch.tensor([0]), torch.tensor([5]), 4, 1.0)
+
+
+def test_auto_picks_the_cpu_kernels_for_quantized_models_only():
+    assert resolve_backend("auto", "cpu") == "reference"  # the exact default
+    assert resolve_backend("auto", "cpu", quantized=True) == "cpu"
+    assert resolve_backend("cpu", "cpu") == "cpu"
+    with pytest.raises(InvalidConfigError, match="'cpu' cannot run here: it runs on a CPU, not cuda"):
+        resolve_backend("cpu", "cuda")
+
+
+def _run(code: str, **env) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_without_the_kernels_the_engine_keeps_its_torch_path(tmp_path):
+    code = (
+        "from hybridkv.engine import cpu_ops; from hybridkv.engine.kernels import resolve_backend\n"
+        "from hybridkv.errors import InvalidConfigError\n"
+        "print(cpu_ops.load(), cpu_ops.unavailable(), resolve_backend('auto', 'cpu', quantized=True))\n"
+        "try:\n    resolve_backend('cpu', 'cpu')\nexcept InvalidConfigError as e:\n    print('refused:', e)\n"
+    )
+    off = _run(code, HYBRIDKV_CPU_OPS="off")
+    assert "None turned off (HYBRIDKV_CPU_OPS=off) reference" in off
+    assert "refused: attention_backend 'cpu' cannot run here: turned off" in off
+    broken = _run(code, CC=str(tmp_path / "no-such-compiler"), HYBRIDKV_CACHE_DIR=str(tmp_path / "cache"))
+    assert broken.startswith("None ") and "reference" in broken and "refused:" in broken
+
+
+def test_a_quantized_engine_gives_the_reference_backends_tokens(tiny_models):
+    """int8 Llama and Gemma 3, greedy: the fused kernels' rounding differs from torch's, not the tokens;
+    every step's logits agree to 1e-4 relative. The matmuls compute in fp32 here: with bf16 inputs
+    (the default) a last-bit difference before a cast to bf16 can move an input by a bf16 step."""
+    from hybridkv.engine.engine import EngineConfig, LLMEngine
+    from hybridkv.engine.models import load_model
+    from hybridkv.sampling_params import SamplingParams
+
+    for arch in ("llama", "gemma3"):
+        path, _ = tiny_models(arch)
+        model = load_model(path)
+        model.quantize_weights("int8", compute_dtype=torch.float32)
+        assert all(m.cpu_kernels for m in model.modules() if type(m).__name__ == "RMSNorm")
+        runs = {}
+        for backend in ("reference", "cpu"):
+            model.use_cpu_kernels(backend == "cpu")
+            engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=96, max_model_len=96, quantization="int8",
+                                                   attention_backend=backend))
+            assert engine.attention_backend == backend
+            for i, prompt in enumerate(([5, 9, 2, 7], list(range(3, 30)), [11] * 9)):
+                engine.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True), request_id=f"r{i}")
+            logits, tokens = [], {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens[out.request_id] = out.output_token_ids
+                engine.kv.check_invariants()
+                logits.append({r: x.clone() for r, x in engine.runner.last_logits.items()})
+            runs[backend] = (tokens, logits)
+        assert runs["cpu"][0] == runs["reference"][0], arch
+        for ref, got in zip(runs["reference"][1], runs["cpu"][1]):
+            for r in ref:
+                rel = ((ref[r] - got[r]).norm() / ref[r].norm()).item()
+                assert rel < 1e-4, (arch, r, rel)
