@@ -42,6 +42,37 @@ def test_rms_norm_of_zeros_is_zero():
     assert torch.equal(out, torch.zeros(2, 8))
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_rope_is_the_torch_ops_bit_for_bit(seed):
+    from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half
+
+    g = torch.Generator().manual_seed(seed)
+    t, h = int(torch.randint(1, 7, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
+    d = [2, 8, 64, 128][seed % 4]
+    rotary = RotaryEmbedding({"rope_type": "default", "rope_theta": 10000.0}, d, 4096)
+    cos, sin = rotary.cos_sin(torch.randint(0, 4096, (t,), generator=g), torch.float32)  # [T, 1, D]
+    qkv = torch.randn(t, h + 3, d, generator=g) * 50
+    x = qkv[:, : h + 1]  # the q and k heads of a fused projection: strided rows
+    want = apply_rotate_half(x, cos, sin)
+    assert torch.equal(cpu_ops.rope_rotate_half(x, cos, sin), want)
+    assert torch.equal(apply_rotate_half(x, cos, sin, fused=True), want)
+    assert torch.equal(apply_rotate_half(x.double(), cos.double(), sin.double(), fused=True),
+                       apply_rotate_half(x.double(), cos.double(), sin.double()))  # not fp32: torch's ops
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("seed", range(6))
+def test_gated_activation_matches_torch(act, seed):
+    g = torch.Generator().manual_seed(seed)
+    t, i = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 300, (1,), generator=g))
+    big = torch.randn(t, 2 * i + 5, generator=g) * [0.01, 1.0, 30.0][seed % 3]
+    big[0, :3] = torch.tensor([-200.0, 0.0, 200.0])[: min(3, i)] if i >= 3 else big[0, :3]
+    gate_up = big[:, : 2 * i]  # a row stride past 2I
+    f = torch.nn.functional.silu if act == "silu" else (lambda z: torch.nn.functional.gelu(z, approximate="tanh"))
+    want = (f(gate_up[:, :i].double()) * gate_up[:, i:].double()).float()  # fp64: torch's fp32 gelu cancels at x << 0
+    torch.testing.assert_close(cpu_ops.gated_act(gate_up, act), want, rtol=2e-6, atol=1e-6)
+
+
 def _dense(q, k, v, scale):
     """q [Hq, D], k / v [n, Hkv, D] -> [Hq, D]."""
     rep = q.shape[0] // k.shape[1]
@@ -135,7 +166,8 @@ def test_a_quantized_engine_gives_the_reference_backends_tokens(tiny_models):
         path, _ = tiny_models(arch)
         model = load_model(path)
         model.quantize_weights("int8", compute_dtype=torch.float32)
-        assert all(m.cpu_kernels for m in model.modules() if type(m).__name__ == "RMSNorm")
+        kinds = {type(m).__name__ for m in model.modules() if getattr(m, "cpu_kernels", False)}
+        assert {"RMSNorm", "GatedMLP"} <= kinds and any(k.endswith("Attention") for k in kinds), kinds
         runs = {}
         for backend in ("reference", "cpu"):
             model.use_cpu_kernels(backend == "cpu")

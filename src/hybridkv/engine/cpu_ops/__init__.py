@@ -2,11 +2,13 @@
 
 A CPU decode step of a small model spends more time between its matmuls than in them: per
 layer an RMSNorm is ~8 torch ops (~7 us), and the paged attention of one query (K/V write,
-key gather, ``scaled_dot_product_attention``, views) ~60 us on SmolLM2-135M. Two kernels in
+key gather, ``scaled_dot_product_attention``, views) ~60 us on SmolLM2-135M. Kernels in
 plain C replace them (fp32, one thread, vectorized by gcc):
 
 * :func:`rms_norm` - rows of ``[T, H, D]`` (any row strides) normalized and scaled by a
   per-head multiplier ``[H or 1, D]`` (:meth:`~hybridkv.engine.models.norms.RMSNorm.scale`);
+* :func:`rope_rotate_half` - RoPE of q and k heads in one pass (bit for bit the torch ops');
+* :func:`gated_act` - the gated MLP's ``act(gate) * up`` (silu, gelu-tanh) in one pass;
 * :func:`decode_attention` - one query per sequence: the step's K/V written to their slots,
   then scores, softmax and the weighted values read straight through the block table
   (no gather), GQA by ``h // rep``.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import importlib.machinery
 import importlib.util
+import logging
 import os
 import shutil
 import subprocess
@@ -37,10 +40,10 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["decode_attention", "load", "rms_norm", "unavailable"]
+__all__ = ["decode_attention", "gated_act", "load", "rms_norm", "rope_rotate_half", "unavailable"]
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11")
 MODULE = "_hybridkv_cpu_ops"
 
 _lock = threading.Lock()
@@ -118,6 +121,10 @@ def load() -> ModuleType | None:
                     _state["module"] = _load_uncached()
                 except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:
                     _state["module"], _state["why"] = None, str(exc)
+                    off = "HYBRIDKV_CPU_OPS" in str(exc)
+                    logging.getLogger(__name__).log(
+                        logging.INFO if off else logging.WARNING, "fused CPU kernels unavailable (%s): torch ops instead", exc
+                    )
     return _state["module"]  # type: ignore[return-value]
 
 
@@ -141,6 +148,30 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, out: torch.Tensor
     rows = 1 if scale.dim() == 1 else scale.shape[0]
     out = torch.empty(x.shape, dtype=torch.float32) if out is None else out
     ops.rms_norm(x.data_ptr(), out.data_ptr(), scale.data_ptr(), t, h, d, st, sh, rows, eps)
+    return out
+
+
+def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] fp32 (unit stride in D), cos / sin [T, 1, D] fp32 (``RotaryEmbedding.cos_sin``,
+    rows contiguous) -> [T, H, D] contiguous: :func:`~hybridkv.engine.models.rope.apply_rotate_half`,
+    bit for bit (each product and the sum rounded alone)."""
+    t, h, d = x.shape
+    out = torch.empty((t, h, d), dtype=torch.float32)
+    load().rope_rotate_half(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, h, d, x.stride(0),
+                            x.stride(1), cos.stride(0))
+    return out
+
+
+#: :func:`gated_act`'s activations (their kernel codes)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """gate_up [T, 2I] fp32 (unit stride in the last dim) -> [T, I]: ``act(gate) * up``, ``act``
+    one of :data:`ACTIVATIONS` (silu; gelu with the tanh approximation)."""
+    t, two_i = gate_up.shape
+    out = torch.empty((t, two_i // 2), dtype=torch.float32)
+    load().gated_act(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, gate_up.stride(0), ACTIVATIONS[act])
     return out
 
 

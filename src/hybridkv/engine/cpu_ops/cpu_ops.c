@@ -1,5 +1,6 @@
-/* Fused CPU kernels of the decode path (see cpu_ops/__init__.py): RMSNorm rows and paged
- * decode attention (the step's K/V write and the attention of one query per sequence).
+/* Fused CPU kernels of the decode path (see cpu_ops/__init__.py): RMSNorm rows, rotate-half
+ * RoPE, the gated MLP's activation and paged decode attention (the step's K/V write and the
+ * attention of one query per sequence).
  *
  * Plain C over raw pointers: the Python side passes each tensor's data_ptr() and strides
  * (in elements) and keeps the tensors alive for the call. fp32 only. Single-threaded; the
@@ -60,6 +61,75 @@ static PyObject *rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t narg
             float r = 1.0f / sqrtf(acc / (float)D + eps);
 #pragma omp simd
             for (long i = 0; i < D; i++) o[i] = xr[i] * r * sr[i];
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+/* rope_rotate_half(x, out, cos, sin, T, H, D, sT, sH, c_sT)
+ * x rows (t, h) at x + t*sT + h*sH; cos / sin rows at + t*c_sT, D values (sin's first half
+ * negated: the tables of RotaryEmbedding.cos_sin); out [T, H, D] contiguous:
+ * out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i], each product and the sum rounded as torch
+ * rounds them (compiled with -ffp-contract=off: no fused multiply-add). */
+static PyObject *rope_rotate_half(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "rope_rotate_half takes 10 arguments");
+        return NULL;
+    }
+    const float *x = (const float *)PyLong_AsVoidPtr(args[0]);
+    float *out = (float *)PyLong_AsVoidPtr(args[1]);
+    const float *cs = (const float *)PyLong_AsVoidPtr(args[2]);
+    const float *sn = (const float *)PyLong_AsVoidPtr(args[3]);
+    long T = PyLong_AsLong(args[4]), H = PyLong_AsLong(args[5]), D = PyLong_AsLong(args[6]);
+    long sT = PyLong_AsLong(args[7]), sH = PyLong_AsLong(args[8]), c_sT = PyLong_AsLong(args[9]);
+    if (PyErr_Occurred()) return NULL;
+    long half = D / 2;
+    for (long t = 0; t < T; t++) {
+        const float *c = cs + t * c_sT, *s = sn + t * c_sT;
+        for (long h = 0; h < H; h++) {
+            const float *xr = x + t * sT + h * sH;
+            float *o = out + (t * H + h) * D;
+#pragma omp simd
+            for (long i = 0; i < half; i++) o[i] = xr[i] * c[i] + xr[i + half] * s[i];
+#pragma omp simd
+            for (long i = half; i < D; i++) o[i] = xr[i] * c[i] + xr[i - half] * s[i];
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+/* gated_act(gu, out, T, I, sT, act): out[t, i] = act(gu[t, i]) * gu[t, I + i] (gu rows at + t*sT;
+ * out [T, I] contiguous); act 0: silu x * sigmoid(x), 1: gelu with the tanh approximation. */
+static PyObject *gated_act(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "gated_act takes 6 arguments");
+        return NULL;
+    }
+    const float *gu = (const float *)PyLong_AsVoidPtr(args[0]);
+    float *out = (float *)PyLong_AsVoidPtr(args[1]);
+    long T = PyLong_AsLong(args[2]), I = PyLong_AsLong(args[3]), sT = PyLong_AsLong(args[4]);
+    long act = PyLong_AsLong(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    for (long t = 0; t < T; t++) {
+        const float *g = gu + t * sT, *u = g + I;
+        float *o = out + t * I;
+        if (act == 0) {
+#pragma omp simd
+            for (long i = 0; i < I; i++) {
+                float x = g[i];
+                float e = exp_neg(-fabsf(x)); /* sigmoid(x) = 1 / (1 + e^-x), from e^-|x| <= 1 */
+                float sig = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+                o[i] = x * sig * u[i];
+            }
+        } else {
+#pragma omp simd
+            for (long i = 0; i < I; i++) {
+                float x = g[i];
+                float y = 1.5957691216057308f * (x + 0.044715f * x * x * x); /* 2 sqrt(2/pi) (..) */
+                float e = exp_neg(-fabsf(y)); /* 0.5 (1 + tanh(y/2)) = sigmoid(y): no cancellation at x << 0 */
+                float sig = y >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+                o[i] = x * sig * u[i];
+            }
         }
     }
     Py_RETURN_NONE;
@@ -189,6 +259,8 @@ static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssiz
 
 static PyMethodDef methods[] = {
     {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_FASTCALL, "RMSNorm of fp32 rows"},
+    {"rope_rotate_half", (PyCFunction)(void (*)(void))rope_rotate_half, METH_FASTCALL, "rotate-half RoPE of fp32 rows"},
+    {"gated_act", (PyCFunction)(void (*)(void))gated_act, METH_FASTCALL, "act(gate) * up of fp32 rows"},
     {"decode_attention", (PyCFunction)(void (*)(void))decode_attention, METH_FASTCALL,
      "K/V write and paged attention of one query per sequence (fp32)"},
     {NULL, NULL, 0, NULL},

@@ -43,7 +43,7 @@ from hybridkv.errors import InvalidConfigError
 from hybridkv.planner.architectures import ModelLayers, family_named, language_model_config, model_layers
 from hybridkv.planner.hf_defaults import DEFAULT_MAX_POSITION_EMBEDDINGS
 
-__all__ = ["CausalLM", "DecoderLayer", "DecoderStack", "RMSNorm", "Rope", "require", "activation"]
+__all__ = ["CausalLM", "DecoderLayer", "DecoderStack", "RMSNorm", "Rope", "require", "activation", "activation_kernel"]
 
 #: rope name -> the rotary's per-step tables ((cos, sin), or cis for interleaved rotaries)
 Rope = dict[str, Any]
@@ -68,6 +68,16 @@ def activation(name: str):
     if name == "relu":
         return nn.functional.relu
     raise InvalidConfigError(f"unsupported activation {name!r}")
+
+
+def activation_kernel(name: str) -> str | None:
+    """The fused C kernel's name for :func:`activation` ``name`` (:data:`hybridkv.engine.cpu_ops.ACTIVATIONS`),
+    None where it has none."""
+    if name in ("silu", "swish"):
+        return "silu"
+    if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_tanh"):
+        return "gelu_tanh"
+    return None
 
 
 class DecoderLayer(nn.Module):
@@ -340,14 +350,14 @@ class CausalLM(nn.Module):
         self.use_cpu_kernels(self.model.norm.weight.device.type == "cpu")  # the quantized model's fast path
 
     def use_cpu_kernels(self, enable: bool = True) -> bool:
-        """Run the RMSNorms' fp32 rows through the fused C kernel (:mod:`hybridkv.engine.cpu_ops`)
-        when ``enable`` and the kernels build here; returns whether they do. The loader turns this
+        """Run the RMSNorms, RoPE and gated activations of fp32 rows through the fused C kernels
+        (:mod:`hybridkv.engine.cpu_ops`) when ``enable`` and the kernels build here; returns whether they do. The loader turns this
         on for quantized models (their fast path); the exact default keeps torch's ops."""
         from hybridkv.engine import cpu_ops
 
         on = bool(enable) and cpu_ops.load() is not None
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if hasattr(module, "cpu_kernels"):  # RMSNorm, the attention's RoPE, the gated MLP
                 module.cpu_kernels = on
         return on
 

@@ -17,7 +17,16 @@ import torch
 from torch import nn
 
 from hybridkv.engine.attention import AttentionMetadata, AttentionType, paged_attention
-from hybridkv.engine.models.base import CausalLM, DecoderLayer, DecoderStack, RMSNorm, Rope, activation, require
+from hybridkv.engine.models.base import (
+    CausalLM,
+    DecoderLayer,
+    DecoderStack,
+    RMSNorm,
+    Rope,
+    activation,
+    activation_kernel,
+    require,
+)
 from hybridkv.engine.models.linear import Linear, PackedWeight, fuse_linears, linear
 from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half, rope_parameters
 
@@ -34,6 +43,8 @@ class GatedMLP(nn.Module):
         self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
+        self.act_kernel = activation_kernel(act)  # its fused C kernel's name, if it has one
+        self.cpu_kernels = False  # act(gate) * up through the fused C kernel (CausalLM.use_cpu_kernels)
         self.register_buffer("gate_up_weight", None, persistent=False)  # [2I, h] once fused
         self.register_buffer("gate_up_bias", None, persistent=False)
         self.gate_up_packed: PackedWeight | None = None
@@ -55,6 +66,10 @@ class GatedMLP(nn.Module):
             gate_up = packed.linear(x, self.gate_up_bias)  # [T, 2I]
         else:
             gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, packed)
+        if self.cpu_kernels and self.act_kernel is not None and gate_up.dtype == torch.float32 and gate_up.stride(-1) == 1:
+            from hybridkv.engine import cpu_ops
+
+            return self.down_proj.forward(cpu_ops.gated_act(gate_up, self.act_kernel))
         gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
         return self.down_proj.forward(self.act(gate).mul_(up))  # act() returns a fresh tensor: no extra buffer
 
@@ -86,6 +101,7 @@ class LlamaAttention(nn.Module):
         self.register_buffer("qkv_bias", None, persistent=False)
         self.qkv_packed: PackedWeight | None = None
         self.sinks: torch.Tensor | None = None  # [Hq] learned softmax sinks (GPT-OSS sets a parameter)
+        self.cpu_kernels = False  # RoPE through the fused C kernel (CausalLM.use_cpu_kernels)
 
     def fuse(self) -> None:
         self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -144,7 +160,7 @@ class LlamaAttention(nn.Module):
         """
         qk, v = self.project_qk_v(x)
         cos, sin = rope[self.rope_name]
-        q, k = self.split_qk(apply_rotate_half(qk, cos, sin))
+        q, k = self.split_qk(apply_rotate_half(qk, cos, sin, fused=self.cpu_kernels))
         return q, k, v
 
 

@@ -34,7 +34,7 @@ class Qwen3Attention(LlamaAttention):
         qk, v = self.project_qk_v(x)  # [T, Hq + Hkv, D], [T, Hkv, D]
         qk = rms_norm_heads(qk, ((self.q_norm, self.num_heads), (self.k_norm, self.num_kv_heads)), self._qk_norm)
         cos, sin = rope[self.rope_name]
-        q, k = self.split_qk(apply_rotate_half(qk, cos, sin))
+        q, k = self.split_qk(apply_rotate_half(qk, cos, sin, fused=self.cpu_kernels))
         return q, k, v
 
 

@@ -144,7 +144,7 @@ class RotaryEmbedding:
         return self.cis(positions) if self.interleaved else self.cos_sin(positions, dtype)
 
 
-def apply_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """x [T, H, D], cos / sin [T, 1, D] from :meth:`RotaryEmbedding.cos_sin`: pairs (i, i + D/2)
     rotated by angle i, HF's ``x * cos + rotate_half(x) * sin`` in four ops.
 
@@ -152,6 +152,12 @@ def apply_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     ``x1 * c + x2 * (-s)``, which is ``x1 * c - x2 * s`` bit for bit, as HF computes it
     (``rotate_half(x) = [-x2, x1]``).
     """
+    if (fused and x.dtype == torch.float32 and cos.dtype == torch.float32 and x.dim() == 3 and x.device.type == "cpu"
+            and x.stride(-1) == 1 and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2]) and cos.is_contiguous()
+            and sin.is_contiguous()):
+        from hybridkv.engine import cpu_ops
+
+        return cpu_ops.rope_rotate_half(x, cos, sin)  # ``fused``: the C kernel, the same bits in one pass
     out = x * cos
     return out.add_(x.roll(x.shape[-1] // 2, dims=-1) * sin)
 
