@@ -43,7 +43,8 @@ import torch
 __all__ = ["decode_attention", "gated_act", "load", "rms_norm", "rope_rotate_half", "unavailable"]
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC",
+         "-std=gnu11", "-pthread")
 MODULE = "_hybridkv_cpu_ops"
 
 _lock = threading.Lock()
@@ -134,11 +135,22 @@ def unavailable() -> str | None:
     return _state.get("why")  # type: ignore[return-value]
 
 
+def _check(*tensors: torch.Tensor | None, dtype: torch.dtype) -> None:
+    """The kernels read raw memory: refuse (ValueError) what they cannot read as ``dtype`` rows."""
+    for x in tensors:
+        if x is not None and (x.dtype != dtype or x.device.type != "cpu" or x.stride(-1) != 1):
+            raise ValueError(f"cpu_ops: expected {dtype} CPU tensors with unit stride in the last dim, got "
+                             f"{x.dtype} on {x.device} with strides {x.stride()}")
+
+
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [.., D] or [T, H, D] fp32 (unit stride in D) -> [same shape] fp32 contiguous:
     ``x / sqrt(mean(x^2) + eps) * scale``, scale [D] or [H, D] fp32 contiguous (per head)."""
     ops = load()
+    _check(x, scale, dtype=torch.float32)
     d = x.shape[-1]
+    if not scale.is_contiguous() or scale.shape[-1] != d:
+        raise ValueError("rms_norm: scale must be [D] or [H, D] contiguous")
     if x.dim() == 3:
         t, h = x.shape[0], x.shape[1]
         st, sh = x.stride(0), x.stride(1)
@@ -155,7 +167,10 @@ def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     """x [T, H, D] fp32 (unit stride in D), cos / sin [T, 1, D] fp32 (``RotaryEmbedding.cos_sin``,
     rows contiguous) -> [T, H, D] contiguous: :func:`~hybridkv.engine.models.rope.apply_rotate_half`,
     bit for bit (each product and the sum rounded alone)."""
+    _check(x, cos, sin, dtype=torch.float32)
     t, h, d = x.shape
+    if not (cos.shape == sin.shape == (t, 1, d) and cos.stride() == sin.stride() and cos.is_contiguous()):
+        raise ValueError("rope_rotate_half: cos / sin must be [T, 1, D] contiguous")
     out = torch.empty((t, h, d), dtype=torch.float32)
     load().rope_rotate_half(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, h, d, x.stride(0),
                             x.stride(1), cos.stride(0))
@@ -169,7 +184,10 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """gate_up [T, 2I] fp32 (unit stride in the last dim) -> [T, I]: ``act(gate) * up``, ``act``
     one of :data:`ACTIVATIONS` (silu; gelu with the tanh approximation)."""
+    _check(gate_up, dtype=torch.float32)
     t, two_i = gate_up.shape
+    if two_i % 2:
+        raise ValueError("gated_act: gate_up must hold gate and up halves of one size")
     out = torch.empty((t, two_i // 2), dtype=torch.float32)
     load().gated_act(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, gate_up.stride(0), ACTIVATIONS[act])
     return out
@@ -195,6 +213,16 @@ def decode_attention(
     ops = load()
     s, hq, d = q.shape
     hkv = kv.shape[0] // 2
+    f32, i64 = torch.float32, torch.int64
+    if (q.dtype is not f32 or kv.dtype is not f32 or tables.dtype is not i64 or first.dtype is not i64
+            or pos.dtype is not i64 or (k_new is not None and (k_new.dtype is not f32 or v_new.dtype is not f32))):
+        _check(q, k_new, v_new, kv, dtype=f32)  # raises, naming the tensor's dtype
+        _check(tables, first, pos, dtype=i64)
+    if (q.stride(2) != 1 or not kv.is_contiguous() or kv.shape[2] != d or hq % hkv or tables.shape[0] < s
+            or tables.stride(1) != 1 or first.shape != (s,) or pos.shape != (s,) or not first.is_contiguous()
+            or not pos.is_contiguous() or (k_new is not None and (k_new.stride(2) != 1 or k_new.shape != v_new.shape))):
+        raise ValueError("decode_attention: q [S, Hq, D] and kv [2 Hkv, slots, D] contiguous (Hq a multiple of "
+                         "Hkv), tables [>= S, W] and first / pos [S] contiguous int64, unit strides in D")
     out = torch.empty((s, hq, d), dtype=torch.float32) if out is None else out
     if k_new is None:
         kp = vp = 0
@@ -208,6 +236,6 @@ def decode_attention(
     ops.decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1), kp, vp, ns, nh, kv.data_ptr(), kv.shape[1], hkv, d,
         hq // hkv, tables.data_ptr(), tables.stride(0), first.data_ptr(), pos.data_ptr(), s, block_size,
-        scale, out.data_ptr(),
+        scale, out.data_ptr(), torch.get_num_threads(),
     )
     return out

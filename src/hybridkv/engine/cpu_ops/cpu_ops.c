@@ -3,13 +3,14 @@
  * attention of one query per sequence).
  *
  * Plain C over raw pointers: the Python side passes each tensor's data_ptr() and strides
- * (in elements) and keeps the tensors alive for the call. fp32 only. Single-threaded; the
- * loops are written so that gcc -O3 vectorizes them (#pragma omp simd, -fopenmp-simd: no
+ * (in elements) and keeps the tensors alive for the call. fp32 only. Large attention calls
+ * split their sequences over threads (pthreads); the loops are written so that gcc -O3 vectorizes them (#pragma omp simd, -fopenmp-simd: no
  * OpenMP runtime is linked).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -135,77 +136,52 @@ static PyObject *gated_act(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-static float *scratch = NULL;
-static size_t scratch_len = 0;
+/* What one decode_attention call computes; workers take contiguous ranges of its sequences. */
+typedef struct {
+    const float *q, *k_new, *v_new;
+    long q_sS, q_sH, new_sS, new_sH;
+    float *kv;
+    long num_slots, Hkv, D, rep;
+    const int64_t *tables;
+    long table_stride;
+    const int64_t *first, *pos;
+    long bs;
+    float scale;
+    float *out;
+    long s_begin, s_end; /* this worker's sequences */
+    int failed;          /* out of memory */
+} attn_job;
 
-static float *scratch_for(size_t n) {
-    if (n > scratch_len) {
-        float *p = (float *)realloc(scratch, n * sizeof(float));
-        if (p == NULL) return NULL;
-        scratch = p;
-        scratch_len = n;
+/* The sequences [s_begin, s_end) of a job: write each one's new K/V at pos[s], then attend from
+ * its rep * Hkv query heads to positions first[s] .. pos[s] (validated by the caller). */
+static void *attend_range(void *arg) {
+    attn_job *a = (attn_job *)arg;
+    long D = a->D, rep = a->rep, Hkv = a->Hkv, bs = a->bs, num_slots = a->num_slots;
+    float *keys_v = a->kv + Hkv * num_slots * D;
+    long Hq = Hkv * rep, longest = 0;
+    for (long s = a->s_begin; s < a->s_end; s++) {
+        long n = (long)(a->pos[s] - a->first[s] + 1);
+        longest = n > longest ? n : longest;
     }
-    return scratch;
-}
-
-/* decode_attention(q, q_sS, q_sH, k_new, v_new, new_sS, new_sH, kv, num_slots, Hkv, D, rep,
- *                  tables, table_stride, first, pos, S, block_size, scale, out)
- * q [S, Hq = Hkv * rep, D] (strides q_sS, q_sH); k_new / v_new [S, Hkv, D] (strides new_sS,
- * new_sH; k_new 0: nothing written) go to the slot of position pos[s] first; kv: the layer's
- * [2 Hkv, num_slots, D] (keys, then values); tables int64 [S, table_stride]; sequence s reads
- * key positions first[s] .. pos[s], position p at slot tables[s][p / block_size] * block_size
- * + p % block_size; out [S, Hq, D] contiguous. Query head h reads KV head h / rep. */
-static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 20) {
-        PyErr_SetString(PyExc_TypeError, "decode_attention takes 20 arguments");
+    float *sc = (float *)malloc((size_t)(rep * longest + 1) * sizeof(float));
+    if (sc == NULL) {
+        a->failed = 1;
         return NULL;
     }
-    const float *q = (const float *)PyLong_AsVoidPtr(args[0]);
-    long q_sS = PyLong_AsLong(args[1]), q_sH = PyLong_AsLong(args[2]);
-    const float *k_new = (const float *)PyLong_AsVoidPtr(args[3]);
-    const float *v_new = (const float *)PyLong_AsVoidPtr(args[4]);
-    long new_sS = PyLong_AsLong(args[5]), new_sH = PyLong_AsLong(args[6]);
-    float *kv = (float *)PyLong_AsVoidPtr(args[7]);
-    long num_slots = PyLong_AsLong(args[8]), Hkv = PyLong_AsLong(args[9]), D = PyLong_AsLong(args[10]);
-    long rep = PyLong_AsLong(args[11]);
-    const int64_t *tables = (const int64_t *)PyLong_AsVoidPtr(args[12]);
-    long table_stride = PyLong_AsLong(args[13]);
-    const int64_t *first = (const int64_t *)PyLong_AsVoidPtr(args[14]);
-    const int64_t *pos = (const int64_t *)PyLong_AsVoidPtr(args[15]);
-    long S = PyLong_AsLong(args[16]), bs = PyLong_AsLong(args[17]);
-    float scale = (float)PyFloat_AsDouble(args[18]);
-    float *out = (float *)PyLong_AsVoidPtr(args[19]);
-    if (PyErr_Occurred()) return NULL;
-    float *keys_v = kv + Hkv * num_slots * D;
-    long Hq = Hkv * rep;
-    for (long s = 0; s < S; s++) {
-        const int64_t *table = tables + s * table_stride;
-        long p_last = (long)pos[s], p0 = (long)first[s];
+    for (long s = a->s_begin; s < a->s_end; s++) {
+        const int64_t *table = a->tables + s * a->table_stride;
+        long p_last = (long)a->pos[s], p0 = (long)a->first[s];
         long n = p_last - p0 + 1;
-        if (p0 < 0 || n < 1 || p_last / bs >= table_stride) {
-            PyErr_Format(PyExc_ValueError, "sequence %ld: positions %ld..%ld outside its table of %ld blocks of %ld",
-                         s, p0, p_last, table_stride, bs);
-            return NULL;
-        }
-        for (long b = p0 / bs; b <= p_last / bs; b++) {
-            if (table[b] < 0 || (table[b] + 1) * bs > num_slots) {
-                PyErr_Format(PyExc_ValueError, "sequence %ld: block id %ld outside the pool of %ld slots", s,
-                             (long)table[b], num_slots);
-                return NULL;
-            }
-        }
-        if (k_new != NULL) {
+        if (a->k_new != NULL) {
             long slot = (long)table[p_last / bs] * bs + p_last % bs;
             for (long g = 0; g < Hkv; g++) {
-                memcpy(kv + (g * num_slots + slot) * D, k_new + s * new_sS + g * new_sH, D * sizeof(float));
-                memcpy(keys_v + (g * num_slots + slot) * D, v_new + s * new_sS + g * new_sH, D * sizeof(float));
+                memcpy(a->kv + (g * num_slots + slot) * D, a->k_new + s * a->new_sS + g * a->new_sH, D * sizeof(float));
+                memcpy(keys_v + (g * num_slots + slot) * D, a->v_new + s * a->new_sS + g * a->new_sH, D * sizeof(float));
             }
         }
-        float *sc = scratch_for((size_t)(rep * n));
-        if (sc == NULL) return PyErr_NoMemory();
         for (long g = 0; g < Hkv; g++) {
-            const float *qg = q + s * q_sS + g * rep * q_sH;
-            const float *kg = kv + g * num_slots * D;
+            const float *qg = a->q + s * a->q_sS + g * rep * a->q_sH;
+            const float *kg = a->kv + g * num_slots * D;
             const float *vg = keys_v + g * num_slots * D;
             /* scores [rep, n], block by block (a block's slots are consecutive rows) */
             for (long b = p0 / bs, j = 0; b <= p_last / bs; b++) {
@@ -213,11 +189,11 @@ static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssiz
                 const float *k = kg + ((long)table[b] * bs + (lo - b * bs)) * D;
                 for (long p = lo; p < hi; p++, j++, k += D) {
                     for (long r = 0; r < rep; r++) {
-                        const float *qr = qg + r * q_sH;
+                        const float *qr = qg + r * a->q_sH;
                         float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
                         for (long i = 0; i < D; i++) acc += qr[i] * k[i];
-                        sc[r * n + j] = acc * scale;
+                        sc[r * n + j] = acc * a->scale;
                     }
                 }
             }
@@ -238,7 +214,7 @@ static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssiz
                 for (long j = 0; j < n; j++) row[j] *= inv;
             }
             /* out[s, g*rep + r] = sum_j p[r, j] v_j */
-            float *og = out + (s * Hq + g * rep) * D;
+            float *og = a->out + (s * Hq + g * rep) * D;
             memset(og, 0, rep * D * sizeof(float));
             for (long b = p0 / bs, j = 0; b <= p_last / bs; b++) {
                 long lo = b * bs > p0 ? b * bs : p0, hi = (b + 1) * bs <= p_last ? (b + 1) * bs : p_last + 1;
@@ -254,6 +230,103 @@ static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssiz
             }
         }
     }
+    free(sc);
+    return NULL;
+}
+
+/* Below this many key rows x query heads, a call runs on the calling thread alone. */
+#define PARALLEL_WORK 16384
+#define MAX_THREADS 64
+
+/* decode_attention(q, q_sS, q_sH, k_new, v_new, new_sS, new_sH, kv, num_slots, Hkv, D, rep,
+ *                  tables, table_stride, first, pos, S, block_size, scale, out, threads)
+ * q [S, Hq = Hkv * rep, D] (strides q_sS, q_sH); k_new / v_new [S, Hkv, D] (strides new_sS,
+ * new_sH; k_new 0: nothing written) go to the slot of position pos[s] first; kv: the layer's
+ * [2 Hkv, num_slots, D] (keys, then values); tables int64 [S, table_stride]; sequence s reads
+ * key positions first[s] .. pos[s], position p at slot tables[s][p / block_size] * block_size
+ * + p % block_size; out [S, Hq, D] contiguous. Query head h reads KV head h / rep. Large calls
+ * split the sequences over up to ``threads`` threads (contiguous ranges of about equal keys);
+ * the GIL is released while they compute. */
+static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 21) {
+        PyErr_SetString(PyExc_TypeError, "decode_attention takes 21 arguments");
+        return NULL;
+    }
+    attn_job job;
+    job.q = (const float *)PyLong_AsVoidPtr(args[0]);
+    job.q_sS = PyLong_AsLong(args[1]);
+    job.q_sH = PyLong_AsLong(args[2]);
+    job.k_new = (const float *)PyLong_AsVoidPtr(args[3]);
+    job.v_new = (const float *)PyLong_AsVoidPtr(args[4]);
+    job.new_sS = PyLong_AsLong(args[5]);
+    job.new_sH = PyLong_AsLong(args[6]);
+    job.kv = (float *)PyLong_AsVoidPtr(args[7]);
+    job.num_slots = PyLong_AsLong(args[8]);
+    job.Hkv = PyLong_AsLong(args[9]);
+    job.D = PyLong_AsLong(args[10]);
+    job.rep = PyLong_AsLong(args[11]);
+    job.tables = (const int64_t *)PyLong_AsVoidPtr(args[12]);
+    job.table_stride = PyLong_AsLong(args[13]);
+    job.first = (const int64_t *)PyLong_AsVoidPtr(args[14]);
+    job.pos = (const int64_t *)PyLong_AsVoidPtr(args[15]);
+    long S = PyLong_AsLong(args[16]);
+    job.bs = PyLong_AsLong(args[17]);
+    job.scale = (float)PyFloat_AsDouble(args[18]);
+    job.out = (float *)PyLong_AsVoidPtr(args[19]);
+    long threads = PyLong_AsLong(args[20]);
+    job.failed = 0;
+    if (PyErr_Occurred()) return NULL;
+    long bs = job.bs, total = 0;
+    for (long s = 0; s < S; s++) {
+        const int64_t *table = job.tables + s * job.table_stride;
+        long p_last = (long)job.pos[s], p0 = (long)job.first[s];
+        long n = p_last - p0 + 1;
+        if (p0 < 0 || n < 1 || p_last / bs >= job.table_stride) {
+            PyErr_Format(PyExc_ValueError, "sequence %ld: positions %ld..%ld outside its table of %ld blocks of %ld",
+                         s, p0, p_last, job.table_stride, bs);
+            return NULL;
+        }
+        for (long b = p0 / bs; b <= p_last / bs; b++) {
+            if (table[b] < 0 || (table[b] + 1) * bs > job.num_slots) {
+                PyErr_Format(PyExc_ValueError, "sequence %ld: block id %ld outside the pool of %ld slots", s,
+                             (long)table[b], job.num_slots);
+                return NULL;
+            }
+        }
+        total += n;
+    }
+    long work = total * job.Hkv * job.rep;
+    long nt = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
+    if (nt > S) nt = S;
+    if (work < PARALLEL_WORK) nt = 1;
+    attn_job parts[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    /* contiguous ranges of about total / nt keys each */
+    long s = 0, acc = 0;
+    for (long w = 0; w < nt; w++) {
+        parts[w] = job;
+        parts[w].s_begin = s;
+        long goal = total * (w + 1) / nt;
+        while (s < S && (acc < goal || w == nt - 1)) {
+            acc += (long)(job.pos[s] - job.first[s] + 1);
+            s++;
+        }
+        parts[w].s_end = s;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (long w = 1; w < nt; w++)
+        started[w] = parts[w].s_begin < parts[w].s_end && pthread_create(&ids[w], NULL, attend_range, &parts[w]) == 0;
+    attend_range(&parts[0]);
+    for (long w = 1; w < nt; w++) {
+        if (started[w])
+            pthread_join(ids[w], NULL);
+        else if (parts[w].s_begin < parts[w].s_end)
+            attend_range(&parts[w]); /* no thread: compute it here */
+    }
+    Py_END_ALLOW_THREADS
+    for (long w = 0; w < nt; w++)
+        if (parts[w].failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
