@@ -113,32 +113,6 @@ def test_decode_attention_writes_then_attends_through_random_tables(seed):
     torch.testing.assert_close(again, out, rtol=0, atol=0)
 
 
-def test_decode_attention_splits_large_batches_over_threads_with_the_same_result():
-    """A batch past the kernel's PARALLEL_WORK runs its sequences on several threads (contiguous
-    ranges of about equal keys): each sequence's result and its K/V write are the one thread's."""
-    g = torch.Generator().manual_seed(7)
-    s, hkv, rep, d, bs, width = 9, 2, 4, 32, 8, 80
-    num_blocks = s * width + 1
-    kv = torch.randn(2 * hkv, num_blocks * bs, d, generator=g)
-    tables = (torch.randperm(num_blocks - 1, generator=g) + 1).view(s, width)
-    pos = torch.tensor([639, 5, 600, 0, 500, 639, 200, 17, 560])  # uneven: the ranges balance keys, not sequences
-    assert int(pos.sum() + s) * hkv * rep > 16384  # the kernel's PARALLEL_WORK: threads are used
-    first = torch.zeros(s, dtype=torch.long)
-    q = torch.randn(s, hkv * rep, d, generator=g)
-    k_new, v_new = torch.randn(s, hkv, d, generator=g), torch.randn(s, hkv, d, generator=g)
-    threads = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            cache = kv.clone()
-            results.append((cpu_ops.decode_attention(q, k_new, v_new, cache, tables, first, pos, bs, 0.2), cache))
-    finally:
-        torch.set_num_threads(threads)
-    for out, cache in results[1:]:
-        assert torch.equal(out, results[0][0]) and torch.equal(cache, results[0][1])
-
-
 def test_the_kernels_refuse_tensors_they_cannot_read():
     kv, tables, at = torch.zeros(2, 32, 8), torch.tensor([[1]]), torch.tensor([0])
     with pytest.raises(ValueError, match="expected torch.float32"):

@@ -44,7 +44,7 @@ __all__ = ["decode_attention", "gated_act", "load", "rms_norm", "rope_rotate_hal
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC",
-         "-std=gnu11", "-pthread")
+         "-std=gnu11")
 MODULE = "_hybridkv_cpu_ops"
 
 _lock = threading.Lock()
@@ -236,6 +236,6 @@ def decode_attention(
     ops.decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1), kp, vp, ns, nh, kv.data_ptr(), kv.shape[1], hkv, d,
         hq // hkv, tables.data_ptr(), tables.stride(0), first.data_ptr(), pos.data_ptr(), s, block_size,
-        scale, out.data_ptr(), torch.get_num_threads(),
+        scale, out.data_ptr(),
     )
     return out

@@ -3,14 +3,13 @@
  * attention of one query per sequence).
  *
  * Plain C over raw pointers: the Python side passes each tensor's data_ptr() and strides
- * (in elements) and keeps the tensors alive for the call. fp32 only. Large attention calls
- * split their sequences over threads (pthreads); the loops are written so that gcc -O3 vectorizes them (#pragma omp simd, -fopenmp-simd: no
+ * (in elements) and keeps the tensors alive for the call. fp32 only. Single-threaded; the
+ * loops are written so that gcc -O3 vectorizes them (#pragma omp simd, -fopenmp-simd: no
  * OpenMP runtime is linked).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -136,7 +135,7 @@ static PyObject *gated_act(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* What one decode_attention call computes; workers take contiguous ranges of its sequences. */
+/* What one decode_attention call computes (the sequences s_begin .. s_end - 1). */
 typedef struct {
     const float *q, *k_new, *v_new;
     long q_sS, q_sH, new_sS, new_sH;
@@ -148,7 +147,7 @@ typedef struct {
     long bs;
     float scale;
     float *out;
-    long s_begin, s_end; /* this worker's sequences */
+    long s_begin, s_end;
     int failed;          /* out of memory */
 } attn_job;
 
@@ -234,22 +233,9 @@ static void *attend_range(void *arg) {
     return NULL;
 }
 
-/* Below this many key rows x query heads, a call runs on the calling thread alone. */
-#define PARALLEL_WORK 16384
-#define MAX_THREADS 64
-
-/* decode_attention(q, q_sS, q_sH, k_new, v_new, new_sS, new_sH, kv, num_slots, Hkv, D, rep,
- *                  tables, table_stride, first, pos, S, block_size, scale, out, threads)
- * q [S, Hq = Hkv * rep, D] (strides q_sS, q_sH); k_new / v_new [S, Hkv, D] (strides new_sS,
- * new_sH; k_new 0: nothing written) go to the slot of position pos[s] first; kv: the layer's
- * [2 Hkv, num_slots, D] (keys, then values); tables int64 [S, table_stride]; sequence s reads
- * key positions first[s] .. pos[s], position p at slot tables[s][p / block_size] * block_size
- * + p % block_size; out [S, Hq, D] contiguous. Query head h reads KV head h / rep. Large calls
- * split the sequences over up to ``threads`` threads (contiguous ranges of about equal keys);
- * the GIL is released while they compute. */
 static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 21) {
-        PyErr_SetString(PyExc_TypeError, "decode_attention takes 21 arguments");
+    if (nargs != 20) {
+        PyErr_SetString(PyExc_TypeError, "decode_attention takes 20 arguments");
         return NULL;
     }
     attn_job job;
@@ -273,10 +259,9 @@ static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssiz
     job.bs = PyLong_AsLong(args[17]);
     job.scale = (float)PyFloat_AsDouble(args[18]);
     job.out = (float *)PyLong_AsVoidPtr(args[19]);
-    long threads = PyLong_AsLong(args[20]);
     job.failed = 0;
     if (PyErr_Occurred()) return NULL;
-    long bs = job.bs, total = 0;
+    long bs = job.bs;
     for (long s = 0; s < S; s++) {
         const int64_t *table = job.tables + s * job.table_stride;
         long p_last = (long)job.pos[s], p0 = (long)job.first[s];
@@ -293,40 +278,13 @@ static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssiz
                 return NULL;
             }
         }
-        total += n;
     }
-    long work = total * job.Hkv * job.rep;
-    long nt = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
-    if (nt > S) nt = S;
-    if (work < PARALLEL_WORK) nt = 1;
-    attn_job parts[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    /* contiguous ranges of about total / nt keys each */
-    long s = 0, acc = 0;
-    for (long w = 0; w < nt; w++) {
-        parts[w] = job;
-        parts[w].s_begin = s;
-        long goal = total * (w + 1) / nt;
-        while (s < S && (acc < goal || w == nt - 1)) {
-            acc += (long)(job.pos[s] - job.first[s] + 1);
-            s++;
-        }
-        parts[w].s_end = s;
-    }
+    job.s_begin = 0;
+    job.s_end = S;
     Py_BEGIN_ALLOW_THREADS
-    for (long w = 1; w < nt; w++)
-        started[w] = parts[w].s_begin < parts[w].s_end && pthread_create(&ids[w], NULL, attend_range, &parts[w]) == 0;
-    attend_range(&parts[0]);
-    for (long w = 1; w < nt; w++) {
-        if (started[w])
-            pthread_join(ids[w], NULL);
-        else if (parts[w].s_begin < parts[w].s_end)
-            attend_range(&parts[w]); /* no thread: compute it here */
-    }
+    attend_range(&job);
     Py_END_ALLOW_THREADS
-    for (long w = 0; w < nt; w++)
-        if (parts[w].failed) return PyErr_NoMemory();
+    if (job.failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
