@@ -405,6 +405,9 @@ class Driver:
                 gc.unfreeze()
 
     def _steps(self, res: "RunResult", steps: int | None):
+        """One step per ``yield``: untimed top-up and request building, then the timed scheduling
+        step (decodes, preemption, admission, token advance). The timed part is one inlined loop
+        on purpose: every lane pays the same, minimal driver overhead inside the timer."""
         tr = self.trace
         lane = self.lane
         stream = tr.requests()
