@@ -1,9 +1,9 @@
 """Fused CPU kernels of the decode path, compiled from ``cpu_ops.c`` on first use.
 
 A CPU decode step of a small model spends more time between its matmuls than in them: per
-layer an RMSNorm is ~8 torch ops (~7 us), and the paged attention of one query (K/V write,
-key gather, ``scaled_dot_product_attention``, views) ~60 us on SmolLM2-135M. Kernels in
-plain C replace them (fp32, one thread, vectorized by gcc):
+layer an RMSNorm is ~8 torch ops, and the paged attention of one query a K/V write, a key
+gather, ``scaled_dot_product_attention`` and views (the measured costs: README, Results).
+Kernels in plain C replace them (fp32, one thread, vectorized by gcc):
 
 * :func:`rms_norm` - rows of ``[T, H, D]`` (any row strides) normalized and scaled by a
   per-head multiplier ``[H or 1, D]`` (:meth:`~hybridkv.engine.models.norms.RMSNorm.scale`);
