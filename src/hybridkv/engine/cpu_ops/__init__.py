@@ -138,7 +138,7 @@ def unavailable() -> str | None:
 def _check(*tensors: torch.Tensor | None, dtype: torch.dtype) -> None:
     """The kernels read raw memory: refuse (ValueError) what they cannot read as ``dtype`` rows."""
     for x in tensors:
-        if x is not None and (x.dtype != dtype or x.device.type != "cpu" or x.stride(-1) != 1):
+        if x is not None and (x.dtype is not dtype or not x.is_cpu or x.stride(-1) != 1):
             raise ValueError(f"cpu_ops: expected {dtype} CPU tensors with unit stride in the last dim, got "
                              f"{x.dtype} on {x.device} with strides {x.stride()}")
 
@@ -215,7 +215,9 @@ def decode_attention(
     hkv = kv.shape[0] // 2
     f32, i64 = torch.float32, torch.int64
     if (q.dtype is not f32 or kv.dtype is not f32 or tables.dtype is not i64 or first.dtype is not i64
-            or pos.dtype is not i64 or (k_new is not None and (k_new.dtype is not f32 or v_new.dtype is not f32))):
+            or pos.dtype is not i64 or not (q.is_cpu and kv.is_cpu and tables.is_cpu and first.is_cpu and pos.is_cpu)
+            or (k_new is not None and (k_new.dtype is not f32 or v_new.dtype is not f32 or not k_new.is_cpu
+                                       or not v_new.is_cpu))):
         _check(q, k_new, v_new, kv, dtype=f32)  # raises, naming the tensor's dtype
         _check(tables, first, pos, dtype=i64)
     if (q.stride(2) != 1 or not kv.is_contiguous() or kv.shape[2] != d or hq % hkv or tables.shape[0] < s
