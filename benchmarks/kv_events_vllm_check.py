@@ -31,10 +31,12 @@ import _paths  # noqa: E402,F401  (this checkout's src and tests.support importa
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup  # noqa: E402
 from hybridkv.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from hybridkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+from _vllm_env import import_vllm  # noqa: E402
 from hybridkv.server import kv_events as ours  # noqa: E402
 from tests.support.processes import free_port  # noqa: E402
 
 t0 = time.perf_counter()
+import_vllm("kv_events_vllm_check.py", "vllm.distributed.kv_events")  # or its set-up printed, exit 0
 import vllm  # noqa: E402
 from vllm.distributed import kv_events as v  # noqa: E402
 
@@ -203,8 +205,8 @@ def check_live_vllm_to_example() -> None:
         want = [{k: x for k, x in plain(e).items() if k not in _NOT_IN_EXAMPLE} for e in vb.events]
         have = [plain(e) for e in b.events]
         assert have == want, [(x, y) for x, y in zip(have, want) if x != y][:1]
-    print(f"4. live: vLLM ZmqEventPublisher -> example subscriber: seqs 0-4 from vLLM's replay ROUTER "
-          f"(subscribed late), seq 5 live; events equal (the example ignores vLLM's last four BlockStored/BlockRemoved fields)")
+    print("4. live: vLLM ZmqEventPublisher -> example subscriber: seqs 0-4 from vLLM's replay ROUTER "
+          "(subscribed late), seq 5 live; events equal (the example ignores vLLM's last four BlockStored/BlockRemoved fields)")
 
 
 if __name__ == "__main__":
