@@ -135,7 +135,7 @@ static PyObject *gated_act(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* What one decode_attention call computes (the sequences s_begin .. s_end - 1). */
+/* What one decode_attention call computes: its S sequences. */
 typedef struct {
     const float *q, *k_new, *v_new;
     long q_sS, q_sH, new_sS, new_sH;
@@ -147,27 +147,22 @@ typedef struct {
     long bs;
     float scale;
     float *out;
-    long s_begin, s_end;
-    int failed;          /* out of memory */
+    long S;
 } attn_job;
 
-/* The sequences [s_begin, s_end) of a job: write each one's new K/V at pos[s], then attend from
- * its rep * Hkv query heads to positions first[s] .. pos[s] (validated by the caller). */
-static void *attend_range(void *arg) {
-    attn_job *a = (attn_job *)arg;
+/* Each sequence of a job: write its new K/V at pos[s], then attend from its rep * Hkv query heads
+ * to positions first[s] .. pos[s] (validated by the caller). Returns -1 when out of memory. */
+static int attend(const attn_job *a) {
     long D = a->D, rep = a->rep, Hkv = a->Hkv, bs = a->bs, num_slots = a->num_slots;
     float *keys_v = a->kv + Hkv * num_slots * D;
     long Hq = Hkv * rep, longest = 0;
-    for (long s = a->s_begin; s < a->s_end; s++) {
+    for (long s = 0; s < a->S; s++) {
         long n = (long)(a->pos[s] - a->first[s] + 1);
         longest = n > longest ? n : longest;
     }
     float *sc = (float *)malloc((size_t)(rep * longest + 1) * sizeof(float));
-    if (sc == NULL) {
-        a->failed = 1;
-        return NULL;
-    }
-    for (long s = a->s_begin; s < a->s_end; s++) {
+    if (sc == NULL) return -1;
+    for (long s = 0; s < a->S; s++) {
         const int64_t *table = a->tables + s * a->table_stride;
         long p_last = (long)a->pos[s], p0 = (long)a->first[s];
         long n = p_last - p0 + 1;
@@ -230,7 +225,7 @@ static void *attend_range(void *arg) {
         }
     }
     free(sc);
-    return NULL;
+    return 0;
 }
 
 static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -255,11 +250,10 @@ static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssiz
     job.table_stride = PyLong_AsLong(args[13]);
     job.first = (const int64_t *)PyLong_AsVoidPtr(args[14]);
     job.pos = (const int64_t *)PyLong_AsVoidPtr(args[15]);
-    long S = PyLong_AsLong(args[16]);
+    long S = job.S = PyLong_AsLong(args[16]);
     job.bs = PyLong_AsLong(args[17]);
     job.scale = (float)PyFloat_AsDouble(args[18]);
     job.out = (float *)PyLong_AsVoidPtr(args[19]);
-    job.failed = 0;
     if (PyErr_Occurred()) return NULL;
     long bs = job.bs;
     for (long s = 0; s < S; s++) {
@@ -279,12 +273,11 @@ static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssiz
             }
         }
     }
-    job.s_begin = 0;
-    job.s_end = S;
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    attend_range(&job);
+    rc = attend(&job);
     Py_END_ALLOW_THREADS
-    if (job.failed) return PyErr_NoMemory();
+    if (rc != 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from hybridkv.engine import cpu_ops
 from hybridkv.engine.attention import AttentionMetadata, AttentionType, paged_attention
 from hybridkv.engine.models.base import (
     CausalLM,
@@ -67,8 +68,6 @@ class GatedMLP(nn.Module):
         else:
             gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, packed)
         if self.cpu_kernels and self.act_kernel is not None and gate_up.dtype == torch.float32 and gate_up.stride(-1) == 1:
-            from hybridkv.engine import cpu_ops
-
             return self.down_proj.forward(cpu_ops.gated_act(gate_up, self.act_kernel))
         gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
         return self.down_proj.forward(self.act(gate).mul_(up))  # act() returns a fresh tensor: no extra buffer

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
+from hybridkv.engine import cpu_ops
 from hybridkv.errors import InvalidConfigError
 
 __all__ = ["rope_parameters", "inv_freq_and_scale", "RotaryEmbedding", "apply_rotate_half", "apply_interleaved"]
@@ -155,8 +156,6 @@ def apply_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fus
     if (fused and x.dtype == torch.float32 and cos.dtype == torch.float32 and x.dim() == 3 and x.device.type == "cpu"
             and x.stride(-1) == 1 and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2]) and cos.is_contiguous()
             and sin.is_contiguous()):
-        from hybridkv.engine import cpu_ops
-
         return cpu_ops.rope_rotate_half(x, cos, sin)  # ``fused``: the C kernel, the same bits in one pass
     out = x * cos
     return out.add_(x.roll(x.shape[-1] // 2, dims=-1) * sin)
