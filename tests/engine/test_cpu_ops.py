@@ -129,6 +129,20 @@ def test_the_kernels_refuse_tensors_they_cannot_read():
         cpu_ops.rope_rotate_half(torch.zeros(1, 2, 8), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
     with pytest.raises(ValueError, match="halves"):
         cpu_ops.gated_act(torch.zeros(1, 7), "silu")
+    q = torch.zeros(1, 1, 8)
+    for bad in (
+        dict(k_new=torch.zeros(1, 2, 8), v_new=torch.zeros(1, 2, 8)),  # more KV heads than the cache holds
+        dict(k_new=torch.zeros(2, 1, 8), v_new=torch.zeros(2, 1, 8)),  # more rows than sequences
+        dict(block_size=0),
+        dict(kv=torch.zeros(0, 32, 8)),  # no KV heads
+        dict(out=torch.zeros(1, 1, 4)),
+        dict(out=torch.zeros(1, 1, 16)[:, :, ::2]),
+    ):
+        args = dict(q=q, k_new=None, v_new=None, kv=kv, tables=tables, first=at, pos=at, block_size=4, scale=1.0)
+        with pytest.raises(ValueError, match="decode_attention"):
+            cpu_ops.decode_attention(**{**args, **bad})
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_ops.rms_norm(torch.zeros(2, 8), torch.ones(8), 1e-6, out=torch.zeros(2, 7))
 
 
 def test_decode_attention_refuses_positions_and_blocks_outside_its_tables():
@@ -141,6 +155,9 @@ def test_decode_attention_refuses_positions_and_blocks_outside_its_tables():
         cpu_ops.decode_attention(q, None, None, kv, tables, torch.tensor([-1]), torch.tensor([3]), 4, 1.0)
     with pytest.raises(ValueError, match="outside the pool"):
         cpu_ops.decode_attention(q, None, None, kv, torch.tensor([[1, 8]]), torch.tensor([0]), torch.tensor([5]), 4, 1.0)
+    with pytest.raises(ValueError, match="outside the pool"):  # (id + 1) * block_size would overflow
+        cpu_ops.decode_attention(q, None, None, kv, torch.tensor([[2**62, 1]]), torch.tensor([0]), torch.tensor([5]),
+                                 4, 1.0)
 
 
 def test_auto_picks_the_cpu_kernels_for_quantized_models_only():

@@ -19,10 +19,10 @@ import torch
 from hybridkv.engine import cpu_ops
 from hybridkv.engine.attention import AttentionMetadata, AttentionType, reference_paged_attention
 
-__all__ = ["cpu_paged_attention"]
+__all__ = ["cpu_paged_attention", "decode_positions"]
 
 
-def _decode_positions(meta: AttentionMetadata, attn: AttentionType) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_positions(meta: AttentionMetadata, attn: AttentionType) -> tuple[torch.Tensor, torch.Tensor]:
     """first [S], pos [S] int64: sequence s's query at ``pos[s]`` reads keys ``first[s] .. pos[s]``."""
 
     def make() -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +63,7 @@ def cpu_paged_attention(
     if not fused:
         return reference_paged_attention(query, key, value, meta, layer, attn, scale, sinks, softcap, keep)
     group = storage.group_of(layer)
-    first, pos = _decode_positions(meta, attn)
+    first, pos = decode_positions(meta, attn)
     kv = storage.layer_kv(layer)  # [2 Hkv, num_slots, D]
     return cpu_ops.decode_attention(
         query, key, value, kv, meta.block_tables[group], first, pos, storage.block_size, scale

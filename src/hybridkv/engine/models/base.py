@@ -28,6 +28,7 @@ from torch import nn
 from hybridkv.checkpoint.config import as_model_source, read_model_config
 from hybridkv.checkpoint.installed import ModelSource
 from hybridkv.core.specs import KVCacheSpec
+from hybridkv.engine import cpu_ops
 from hybridkv.engine.attention import AttentionMetadata, AttentionType
 from hybridkv.engine.kv_storage import torch_dtype
 from hybridkv.engine.models.linear import Linear, PackedWeight
@@ -126,6 +127,16 @@ class DecoderLayer(nn.Module):
         h = self.attn_branch(a).add_(h)  # a fresh tensor: add in place (h + a, bit for bit)
         return self.mlp_branch(h).add_(h)
 
+    def decode_parts(self) -> dict[str, Any] | None:
+        """This layer for :class:`~hybridkv.engine.models.fused_decode.FusedDecode` (None: it cannot
+        run fused). A subclass that changes :meth:`forward` or the branches describes itself."""
+        cls = type(self)
+        if cls.attn_branch is not DecoderLayer.attn_branch or cls.mlp_branch is not DecoderLayer.mlp_branch:
+            return None
+        from hybridkv.engine.models.fused_decode import describe_layer
+
+        return describe_layer(self, self.post_attention_layernorm, None, None)
+
     def attn_branch(self, a: torch.Tensor) -> torch.Tensor:
         """What the attention adds to the residual stream (its output); must return a fresh tensor."""
         return a
@@ -215,6 +226,8 @@ class CausalLM(nn.Module):
         #: weight-only quantization in force (:meth:`quantize_weights`): None, "int8" or "int4"
         self.quantization: str | None = None
         self.embed_quant = None  # the quantized embedding rows, once quantized
+        self.fused_decode = None  # FusedDecode: a quantized decode step's layers in one C call
+        self.cpu_kernels = False  # the fused C kernels in use (use_cpu_kernels)
         self.embed_dtype: torch.dtype | None = None  # the dtype its rows come out in
         self.model: nn.Module
         self.lm_head: nn.Linear
@@ -353,12 +366,16 @@ class CausalLM(nn.Module):
         """Run the RMSNorms, RoPE and gated activations of fp32 rows through the fused C kernels
         (:mod:`hybridkv.engine.cpu_ops`) when ``enable`` and the kernels build here; returns whether they do. The loader turns this
         on for quantized models (their fast path); the exact default keeps torch's ops."""
-        from hybridkv.engine import cpu_ops
-
         on = bool(enable) and cpu_ops.load() is not None
         for module in self.modules():
             if hasattr(module, "cpu_kernels"):  # RMSNorm, the attention's RoPE, the gated MLP
                 module.cpu_kernels = on
+        self.cpu_kernels = on
+        self.fused_decode = None
+        if on and self.quantization is not None:
+            from hybridkv.engine.models.fused_decode import FusedDecode
+
+            self.fused_decode = FusedDecode.build(self)  # None: some layer cannot run fused
         return on
 
     @property
@@ -386,12 +403,20 @@ class CausalLM(nn.Module):
         only (in a prefill step, nearly a whole layer's work skipped).
         """
         keep = meta.output_rows()  # [N] or None
+        quantized = self.quantization is not None and self.cpu_kernels
+        if quantized:  # the C kernels hold the cores in decode steps, torch in prefill (cpu_ops.hold_cores)
+            cpu_ops.hold_cores(meta.memo("cpu_decode_step", lambda: max(meta.query_lens) == 1))
         hidden = self.embed(input_ids)
         rope = {name: r.tables(positions, hidden.dtype) for name, r in self.rotaries.items()}  # once per step
+        fused = self.fused_decode
+        if fused is not None and fused.accepts(hidden, meta):  # a quantized decode step: one C call
+            return self.model.norm.forward(fused.run(hidden, rope, meta))
         *layers, last = self.model.layers  # (slicing a ModuleList builds a new one each step)
         for layer in layers:
             hidden = layer.forward(hidden, positions, rope, meta)
         hidden = last.forward(hidden, positions, rope, meta, keep=keep)
+        if quantized:  # the output projection's rows go to the kernels' threads
+            cpu_ops.hold_cores(True)
         return self.model.norm.forward(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from hybridkv.engine.models.quantize_model import adopt_quantized_embedding, qua
 __all__ = ["FINAL_VERSION", "final_cache_for", "final_cache_path", "save_final", "load_final"]
 
 #: bump when the final form changes (quantization rules, names)
-FINAL_VERSION = 2
+FINAL_VERSION = 3
 
 _KINDS = {"int8": Int8Weight, "int4": Int4Weight}
 

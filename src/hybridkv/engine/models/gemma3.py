@@ -46,6 +46,14 @@ class Gemma3Attention(LlamaAttention):
         self.k_norm = RMSNorm(model.head_dim, model.eps, unit_offset=True)
         self._qk_norm: dict = {}  # q_norm's and k_norm's multipliers stacked per head (rms_norm_heads)
 
+    def decode_parts(self, qk_norm=None):
+        """:meth:`LlamaAttention.decode_parts` with q_norm's and k_norm's multipliers per head."""
+        if type(self).qkv is not Gemma3Attention.qkv or self.q_norm.eps != self.k_norm.eps:
+            return None
+        scale = torch.cat([self.q_norm.scale().expand(self.num_heads, -1),
+                           self.k_norm.scale().expand(self.num_kv_heads, -1)]).contiguous()  # [Hq + Hkv, D] fp32
+        return super().decode_parts((scale, self.q_norm.eps))
+
     def qkv(
         self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,6 +79,16 @@ class Gemma3DecoderLayer(DecoderLayer):
         super().__init__(hidden, eps, Gemma3Attention(model, layer_idx, attn_type, rope_name), mlp, unit_offset=True)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
+
+    def decode_parts(self):
+        """:meth:`DecoderLayer.decode_parts` with the sandwich norms."""
+        cls = type(self)
+        if cls.attn_branch is not Gemma3DecoderLayer.attn_branch or cls.mlp_branch is not Gemma3DecoderLayer.mlp_branch:
+            return None
+        from hybridkv.engine.models.fused_decode import describe_layer
+
+        return describe_layer(self, self.pre_feedforward_layernorm, self.post_attention_layernorm,
+                              self.post_feedforward_layernorm)
 
     def attn_branch(self, a: torch.Tensor) -> torch.Tensor:
         return self.post_attention_layernorm.forward(a)

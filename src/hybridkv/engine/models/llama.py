@@ -59,6 +59,16 @@ class GatedMLP(nn.Module):
     def quant_targets(self) -> list[tuple[str, torch.Tensor]]:
         return [] if self.gate_up_weight is None else [("gate_up_packed", self.gate_up_weight)]
 
+    def decode_parts(self) -> dict[str, Any] | None:
+        """What :class:`~hybridkv.engine.models.fused_decode.FusedDecode` needs: gate/up and down
+        quantized, no biases, an activation with a C kernel (else None)."""
+        gate_up, down = self.gate_up_packed, self.down_proj.packed
+        if (self.gate_up_weight is None or self.gate_up_bias is not None or self.down_proj.bias is not None
+                or not getattr(gate_up, "quantized", False) or not getattr(down, "quantized", False)
+                or self.act_kernel is None or gate_up.kernel_fields() is None or down.kernel_fields() is None):
+            return None
+        return {"gate_up": gate_up, "down": down, "act": self.act_kernel, "intermediate": self.intermediate}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -110,6 +120,25 @@ class LlamaAttention(nn.Module):
 
     def quant_targets(self) -> list[tuple[str, torch.Tensor]]:
         return [] if self.qkv_weight is None else [("qkv_packed", self.qkv_weight)]
+
+    def decode_parts(self, qk_norm: tuple[torch.Tensor, float] | None = None) -> dict[str, Any] | None:
+        """What :class:`~hybridkv.engine.models.fused_decode.FusedDecode` needs of this attention
+        (None when it cannot run fused): q/k/v and o quantized, no biases or sinks, and this
+        class's :meth:`qkv` (rotate-half RoPE; ``qk_norm``: the per-head multipliers [Hq + Hkv, D]
+        and eps of a subclass's q/k norms)."""
+        if type(self).qkv is not LlamaAttention.qkv and qk_norm is None:
+            return None  # a subclass's own q/k path: it describes itself
+        qkv, o = self.qkv_packed, self.o_proj.packed
+        if (self.qkv_weight is None or self.qkv_bias is not None or self.o_proj.bias is not None
+                or self.sinks is not None or not getattr(qkv, "quantized", False)
+                or not getattr(o, "quantized", False) or qkv.kernel_fields() is None or o.kernel_fields() is None):
+            return None
+        return {
+            "layer": self.layer_idx, "attn": self.attn_type, "rope": self.rope_name, "scale": float(self.scale),
+            "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "qkv": qkv, "o": o, "qk_norm": None if qk_norm is None else qk_norm[0],
+            "qk_eps": None if qk_norm is None else qk_norm[1],
+        }
 
     def project_heads(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, Hq + 2 Hkv, D]: the q heads, then k, then v (one matmul once fused)."""

@@ -1,27 +1,33 @@
 """Weight-only quantization for CPU decode: int8 per output channel, int4 group-wise.
 
-A decode step on a CPU reads every weight once, so its speed is the weights' bytes.
-Quantized weights run through torch's own CPU kernels (as gpt-fast and torchao use them):
+A decode step on a CPU reads every weight once, so its speed is the weights' bytes:
 
 * ``int8``: ``w ~ q * s`` with ``q`` in [-127, 127] and one scale per output row
-  (``s = max|w_row| / 127``); ``torch.ops.aten._weight_int8pack_mm``;
+  (``s = max|w_row| / 127``);
 * ``int4``: per group of ``G`` input columns, ``w ~ q * s + min`` with ``q`` in [0, 15],
-  ``s = (max - min) / 15``; stored as the kernel wants, ``(q - 8) * s + zero`` with
-  ``zero = min + 8 s`` (``_convert_weight_to_int4pack_for_cpu``,
-  ``_weight_int4pack_mm_for_cpu``). ``G`` is 32 (:data:`INT4_GROUP_SIZES`): llama.cpp's
-  4-bit blocks (Q4_0/1, Q4_K) are 32 values on a 16-level grid, which groups of 32
-  re-quantize almost as they were. Measured (greedy, 4 prompts x 48 tokens, tokens equal
-  to fp32's before the first divergence): Gemma 3 270M (Q4_K_M) 3 of 192 with groups of
-  128, 48 with 64 or 32; SmolLM2 (Q4_1) 1 with 64, 52 with 32; speed within noise.
+  ``s = (max - min) / 15``; stored as ``(q - 8) * s + zero`` with ``zero = min + 8 s`` (torch's
+  int4 kernels' convention). ``G`` is 32 (:data:`INT4_GROUP_SIZES`): llama.cpp's 4-bit blocks
+  (Q4_0/1, Q4_K) are 32 values on a 16-level grid, which groups of 32 re-quantize almost as
+  they were. Measured (greedy, 4 prompts x 48 tokens, tokens equal to fp32's before the first
+  divergence): Gemma 3 270M (Q4_K_M) 3 of 192 with groups of 128, 48 with 64 or 32; SmolLM2
+  (Q4_1) 1 with 64, 52 with 32; speed within noise.
+
+The matmuls of up to :data:`KERNEL_ROWS` rows (decode) run in the C kernels
+(:func:`~hybridkv.engine.cpu_ops.q8_linear`, :func:`~hybridkv.engine.cpu_ops.q4_linear`): fp32
+rows in, weights decoded in registers, split over the kernels' threads; with the *compute
+dtype* bf16 (the default) rows of 8 and more are rounded to bf16 and multiplied with bf16 dot
+products (twice the products an instruction), fewer stay fp32 (their time is the weight's
+bytes either way). Where the kernels cannot be built, torch's own kernels
+(``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``, as gpt-fast and torchao use them)
+take the rows in the compute dtype (with fp32 inputs they are 10-40x slower: Gemma 3 270M's
+262,144 x 640 output projection for one token, 2 threads: int8 52 ms in fp32, 4.8 ms in bf16).
+Inputs of more than :data:`KERNEL_ROWS` rows (a prefill chunk) multiply the weight dequantized
+to the compute dtype instead: there a dense GEMM wins (512 rows x 2048 x 640: int8 kernel
+4.2 ms, dequantized + bf16 GEMM 1.9 ms).
 
 Embeddings are quantized the same way and looked up row by row (``rows``); a tied output
-projection shares them. The kernels take their inputs in a *compute dtype*, bf16 by default:
-with fp32 inputs torch's CPU kernels are 10-40x slower (Gemma 3 270M's 262,144 x 640 output
-projection for one token, 2 threads: int8 52 ms in fp32, 4.8 ms in bf16; int4 118 / 3.2 ms;
-the bf16 dense matrix 11 ms). Activations between the matmuls and the KV cache stay in the
-model dtype. Inputs of more than :data:`KERNEL_ROWS` rows (a prefill chunk) multiply the
-weight dequantized to the compute dtype instead: there the kernels lose to a dense GEMM
-(512 rows x 2048 x 640: int8 4.2 ms, dequantized + bf16 GEMM 1.9 ms).
+projection shares them. Activations between the matmuls and the KV cache stay in the model
+dtype.
 
 Worked example (int8): a row ``[0.5, -1.27, 0.01]`` -> ``s = 0.01``, ``q = [50, -127, 1]``,
 dequantized exactly.
@@ -33,6 +39,7 @@ from typing import Iterable
 
 import torch
 
+from hybridkv.engine import cpu_ops
 from hybridkv.engine_config import QUANTIZATIONS
 from hybridkv.errors import InvalidConfigError
 
@@ -47,10 +54,18 @@ INT4_GROUP_SIZES = (32, 64, 128)
 KERNEL_ROWS = 32
 
 
-def _rows_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [.., K] -> [M, K] in the kernels' compute ``dtype`` (no op where it already is)."""
-    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+def _rows_in(x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x2 [M, K] in the kernels' compute ``dtype`` (no op where it already is)."""
     return x2 if x2.dtype == dtype else x2.to(dtype)
+
+
+#: the compute dtypes whose scales the C kernels read (others, e.g. fp16: torch's kernels)
+_C_SCALES = (torch.bfloat16, torch.float32)
+
+
+def _c_rows(x2: torch.Tensor) -> bool:
+    """Whether the C kernels take rows ``x2`` [M, K]: fp32 on the CPU, unit stride in K, kernels built."""
+    return x2.dtype == torch.float32 and x2.stride(1) == 1 and x2.is_cpu and cpu_ops.load() is not None
 
 
 def _rows_out(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -72,18 +87,20 @@ class Int8Weight:
         scales = (w.abs().amax(dim=1) / 127.0).clamp_(min=1e-12)  # [N]
         self.q = torch.round(w / scales.unsqueeze(1)).clamp_(-127, 127).to(torch.int8).contiguous()
         self.scales = scales.to(dtype)
+        self.scales32 = self.scales.float()  # [N] for the C kernels
         self.shape = tuple(weight.shape)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [.., K] -> [.., N] (computed in the scales' dtype, returned in x's)."""
-        if bias is None and x.dim() == 2 and x.shape[0] <= KERNEL_ROWS:  # decode rows: the fewest calls
-            out = torch.ops.aten._weight_int8pack_mm(x.to(self.scales.dtype), self.q, self.scales)
-            return out.to(x.dtype)
-        x2 = _rows_in(x, self.scales.dtype)  # [M, K]
-        if x2.shape[0] > KERNEL_ROWS:
-            out = torch.nn.functional.linear(x2, self.dense())
+        """x [.., K] -> [.., N] (returned in x's dtype): up to :data:`KERNEL_ROWS` fp32 rows in the C
+        kernel (fp32 products), else torch's kernel in the scales' dtype; more rows on the dense weight."""
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]
+        if x2.shape[0] <= KERNEL_ROWS:
+            if _c_rows(x2):
+                out = cpu_ops.q8_linear(x2, self.q, self.scales32, self.scales.dtype == torch.bfloat16)
+            else:
+                out = torch.ops.aten._weight_int8pack_mm(_rows_in(x2, self.scales.dtype), self.q, self.scales)  # [M, N]
         else:
-            out = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales)  # [M, N]
+            out = torch.nn.functional.linear(_rows_in(x2, self.scales.dtype), self.dense())
         return _rows_out(out, x, bias)
 
     def dense(self) -> torch.Tensor:
@@ -101,7 +118,15 @@ class Int8Weight:
         if self.q.dtype != torch.int8 or self.q.dim() != 2 or self.scales.shape != (self.q.shape[0],):
             raise ValueError("not an int8 weight")
         self.shape = tuple(self.q.shape)
+        self.scales32 = self.scales.float()
         return self
+
+    def kernel_fields(self) -> tuple[int, ...] | None:
+        """What the C kernels read (cpu_ops.h ``qweight``): kind 1, q, fp32 scales, -, inputs in
+        bf16, N, K."""
+        if not self.q.is_contiguous():
+            return None
+        return (1, self.q.data_ptr(), self.scales32.data_ptr(), 0, int(self.scales.dtype == torch.bfloat16), *self.shape)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows ``ids`` [T] -> [T, K] (an embedding lookup)."""
@@ -118,15 +143,16 @@ class Int8Weight:
 class Int4Weight:
     """``[N, K]`` in groups of ``group`` columns: 4-bit codes, a scale and a zero per group.
 
-    ``packed``: the matmul kernel's layout, rows padded to a multiple of 16 (None for a
-    lookup-only embedding); ``nibbles`` [N, K/2] uint8 (codes of columns 2j, 2j+1 in the
-    low, high nibble: embedding rows and the dense weight of large inputs);
-    ``scales_zeros`` [K/G, N, 2] in the compute dtype.
+    ``nibbles`` [N, K/2] uint8 (codes of columns 2j, 2j+1 in the low, high nibble) and
+    ``scales_zeros`` [N, K/G, 2] in the compute dtype: what the C kernels multiply by
+    (:func:`~hybridkv.engine.cpu_ops.q4_linear`), embedding rows and the dense weight of large
+    inputs; ``packed`` and its ``[K/G, N_16, 2]`` scales: torch's kernel's layout, rows padded to
+    a multiple of 16 (only ``matmul`` weights, made when first used).
     """
 
     quantized = True
 
-    def __init__(self, weight: torch.Tensor, group: int, dtype: torch.dtype, matmul: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, group: int, dtype: torch.dtype) -> None:
         n, k = weight.shape
         if k % group:
             raise InvalidConfigError(f"int4 groups of {group} do not divide a {n} x {k} weight's {k} columns")
@@ -136,80 +162,92 @@ class Int4Weight:
         codes = torch.round((w - lo.unsqueeze(2)) / scales.unsqueeze(2)).clamp_(0, 15).to(torch.int32).view(n, k)
         self.group = group
         self.shape = (n, k)
-        self.scales_zeros = torch.stack([scales.t(), (lo + 8.0 * scales).t()], dim=2).to(dtype).contiguous()
-        self.nibbles = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)  # rows and dense()
-        self.packed = None
-        if matmul:  # the kernel packs 16 rows at a time: pad with rows of code 8 (zero weight)
+        self.scales_zeros = torch.stack([scales, lo + 8.0 * scales], dim=2).to(dtype).contiguous()  # [N, K/G, 2]
+        self.nibbles = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).contiguous()
+        self.packed = self._mm_scales_zeros = None
+
+    def torch_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(packed, scales_zeros)`` as ``_weight_int4pack_mm_for_cpu`` takes them (made once):
+        the kernel packs 16 rows at a time, so rows of code 8 (zero weight) pad N."""
+        if self.packed is None:
+            n, k = self.shape
+            codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=2).view(n, k).to(torch.int32)
             pad = -n % 16
             if pad:
                 codes = torch.cat([codes, codes.new_full((pad, k), 8)])
+            sz = self.scales_zeros.transpose(0, 1)  # [K/G, N, 2]
+            self._mm_scales_zeros = torch.cat([sz, sz.new_zeros(k // self.group, pad, 2)], dim=1).contiguous()
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-            sz = self.scales_zeros
-            self._mm_scales_zeros = torch.cat([sz, sz.new_zeros(k // group, pad, 2)], dim=1) if pad else sz
+        return self.packed, self._mm_scales_zeros
+
+    def kernel_fields(self) -> tuple[int, ...] | None:
+        """What the C kernels read (cpu_ops.h ``qweight``): kind 2, nibbles, scales and zeros, G,
+        whether they are bf16, N, K (None: scales in a dtype the kernels do not read)."""
+        sz = self.scales_zeros
+        if sz.dtype not in _C_SCALES or not sz.is_contiguous() or not self.nibbles.is_contiguous():
+            return None
+        return (2, self.nibbles.data_ptr(), sz.data_ptr(), self.group, int(sz.dtype == torch.bfloat16), *self.shape)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [.., K] -> [.., N] (computed in the scales' dtype, returned in x's)."""
-        if bias is None and x.dim() == 2 and x.shape[0] <= KERNEL_ROWS and self._mm_scales_zeros.shape[1] == self.shape[0]:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(self.scales_zeros.dtype), self.packed, self.group, self._mm_scales_zeros
-            )
-            return out.to(x.dtype)
-        x2 = _rows_in(x, self.scales_zeros.dtype)  # [M, K]
-        if x2.shape[0] > KERNEL_ROWS:
-            out = torch.nn.functional.linear(x2, self.dense())
+        """x [.., K] -> [.., N] (returned in x's dtype): up to :data:`KERNEL_ROWS` fp32 rows in the C
+        kernel (fp32 products), else torch's kernel in the scales' dtype; more rows on the dense weight."""
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]
+        if x2.shape[0] <= KERNEL_ROWS:
+            if _c_rows(x2) and self.scales_zeros.dtype in _C_SCALES:
+                out = cpu_ops.q4_linear(x2, self.nibbles, self.scales_zeros, self.group)
+            else:
+                packed, sz = self.torch_layout()
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(sz.dtype), packed, self.group, sz)
+                if out.shape[1] != self.shape[0]:  # rows padded to a multiple of 16
+                    out = out[:, : self.shape[0]]
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self._mm_scales_zeros)
-            if out.shape[1] != self.shape[0]:  # rows padded to a multiple of 16
-                out = out[:, : self.shape[0]]
+            out = torch.nn.functional.linear(_rows_in(x2, self.scales_zeros.dtype), self.dense())
         return _rows_out(out, x, bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows ``ids`` [T] -> [T, K] (an embedding lookup), in the compute dtype."""
-        return self._unpack(self.nibbles.index_select(0, ids), self.scales_zeros.index_select(1, ids))
+        return self._unpack(self.nibbles.index_select(0, ids), self.scales_zeros.index_select(0, ids))
 
     def dense(self) -> torch.Tensor:
         """[N, K] in the compute dtype."""
         return self._unpack(self.nibbles, self.scales_zeros)
 
     def _unpack(self, nib: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-        """nib [R, K/2] uint8, sz [K/G, R, 2] -> [R, K]: ``(code - 8) * scale + zero``."""
+        """nib [R, K/2] uint8, sz [R, K/G, 2] -> [R, K]: ``(code - 8) * scale + zero``."""
         rows = nib.shape[0]
         codes = torch.stack([nib & 15, nib >> 4], dim=2).view(rows, -1).to(sz.dtype)  # [R, K]
         codes = codes.view(rows, -1, self.group).sub_(8)  # [R, K/G, G]
-        out = codes * sz[..., 0].t().unsqueeze(2) + sz[..., 1].t().unsqueeze(2)
+        out = codes * sz[..., 0:1] + sz[..., 1:2]
         return out.view(rows, -1)
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """What :meth:`from_tensors` needs (for the disk cache)."""
-        out = {"nibbles": self.nibbles, "scales_zeros": self.scales_zeros}
-        if self.packed is not None:
-            out.update(packed=self.packed, mm_scales_zeros=self._mm_scales_zeros)
-        return out
+        return {"nibbles": self.nibbles, "scales_zeros": self.scales_zeros}
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], group: int) -> "Int4Weight":
         self = cls.__new__(cls)
         self.nibbles, self.scales_zeros = tensors["nibbles"], tensors["scales_zeros"]
-        self.packed = tensors.get("packed")
-        self._mm_scales_zeros = tensors.get("mm_scales_zeros")
+        self.packed = self._mm_scales_zeros = None
         n, half = self.nibbles.shape
-        if self.nibbles.dtype != torch.uint8 or self.scales_zeros.shape != (2 * half // group, n, 2):
+        if self.nibbles.dtype != torch.uint8 or group < 1 or self.scales_zeros.shape != (n, 2 * half // group, 2):
             raise ValueError("not an int4 weight")
         self.group, self.shape = group, (n, 2 * half)
         return self
 
     def dequantize(self) -> torch.Tensor:
-        """[N, K] fp32 as the matmul kernel sees the weight (its product with the identity)."""
+        """[N, K] fp32: ``(code - 8) * scale + zero`` from the stored scales and zeros, in fp32."""
         n, k = self.shape
-        eye = torch.eye(k, dtype=self.scales_zeros.dtype)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self._mm_scales_zeros)
-        return out[:, :n].t().float().contiguous()
+        codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=2).view(n, k // self.group, self.group)
+        sz = self.scales_zeros.float()
+        return ((codes.float() - 8.0) * sz[..., 0:1] + sz[..., 1:2]).view(n, k)
 
     @property
     def nbytes(self) -> int:
-        total = self.scales_zeros.numel() * self.scales_zeros.element_size()
-        total += 0 if self.packed is None else self.packed.numel()
-        return total + (0 if self.nibbles is None else self.nibbles.numel())
+        total = self.scales_zeros.numel() * self.scales_zeros.element_size() + self.nibbles.numel()
+        if self.packed is not None:
+            total += self.packed.numel() + self._mm_scales_zeros.numel() * self._mm_scales_zeros.element_size()
+        return total
 
 
 def int4_group_size(in_features: Iterable[int]) -> int:
@@ -236,11 +274,9 @@ def check_quantization(quantization: str | None, device: str | torch.device = "c
         raise InvalidConfigError(f"weight-only quantization runs on a CPU (torch's kernels), not {device}")
 
 
-def quantize_weight(weight: torch.Tensor, mode: str, dtype: torch.dtype, group: int = 128,
-                    matmul: bool = True) -> Int8Weight | Int4Weight:
-    """``weight`` [N, K] quantized as ``mode`` (``"int8"`` / ``"int4"``), computed in ``dtype``
-    (``matmul=False``: an embedding only looked up, no int4 kernel layout)."""
+def quantize_weight(weight: torch.Tensor, mode: str, dtype: torch.dtype, group: int = 128) -> Int8Weight | Int4Weight:
+    """``weight`` [N, K] quantized as ``mode`` (``"int8"`` / ``"int4"``), computed in ``dtype``."""
     check_quantization(mode, weight.device)
     if mode == "int8":
         return Int8Weight(weight, dtype)
-    return Int4Weight(weight, group, dtype, matmul=matmul)
+    return Int4Weight(weight, group, dtype)

@@ -45,8 +45,7 @@ def quantize_model(model, mode: str, compute_dtype: torch.dtype = torch.bfloat16
     group = int4_group_size([w.shape[1] for *_, w in slots] + [embed.shape[1]]) if mode == "int4" else 0
     for _, m, attr, w in progress(slots, f"quantizing ({mode})"):
         setattr(m, attr, quantize_weight(w, mode, compute_dtype, group))
-    tied = model.tie_word_embeddings and model.lm_head.weight is embed
-    adopt_quantized_embedding(model, quantize_weight(embed, mode, compute_dtype, group, matmul=tied), mode)
+    adopt_quantized_embedding(model, quantize_weight(embed, mode, compute_dtype, group), mode)
 
 
 def adopt_quantized_embedding(model, embed_quant, mode: str) -> None:

@@ -1,0 +1,110 @@
+/* Paged decode attention of one query per sequence (see cpu_ops/__init__.py: decode_attention):
+ * each sequence's new K/V written to its slot, then its query heads attend to first[s] .. pos[s]
+ * read straight through the block table (no gathered copy, no padding, no mask), GQA by h / rep.
+ * Single-threaded; gcc vectorizes the loops (#pragma omp simd). */
+#include "cpu_ops.h"
+
+int attend_check(const attn_job *a, char *err, size_t size) {
+    long bs = a->bs;
+    if (bs < 1 || a->Hkv < 1 || a->rep < 1 || a->D < 1 || a->S < 0) {
+        snprintf(err, size, "bad attention shapes: block size %ld, %ld KV heads x %ld, head size %ld", bs, a->Hkv,
+                 a->rep, a->D);
+        return -1;
+    }
+    for (long s = 0; s < a->S; s++) {
+        const int64_t *table = a->tables + s * a->table_stride;
+        long p_last = (long)a->pos[s], p0 = (long)a->first[s];
+        if (p0 < 0 || p_last < p0 || p_last / bs >= a->table_width) {
+            snprintf(err, size, "sequence %ld: positions %ld..%ld outside its table of %ld blocks of %ld", s, p0,
+                     p_last, a->table_width, bs);
+            return -1;
+        }
+        for (long b = p0 / bs; b <= p_last / bs; b++) {
+            if (table[b] < 0 || table[b] >= a->num_slots / bs) {
+                snprintf(err, size, "sequence %ld: block id %ld outside the pool of %ld slots", s, (long)table[b],
+                         a->num_slots);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* Each sequence of a job: write its new K/V at pos[s], then attend from its rep * Hkv query heads
+ * to positions first[s] .. pos[s] (validated by the caller). Returns -1 when out of memory. */
+int attend(const attn_job *a) {
+    long D = a->D, rep = a->rep, Hkv = a->Hkv, bs = a->bs, num_slots = a->num_slots;
+    float *keys_v = a->kv + Hkv * num_slots * D;
+    long Hq = Hkv * rep, longest = 0;
+    for (long s = 0; s < a->S; s++) {
+        long n = (long)(a->pos[s] - a->first[s] + 1);
+        longest = n > longest ? n : longest;
+    }
+    float *sc = (float *)malloc((size_t)(rep * longest + 1) * sizeof(float));
+    if (sc == NULL) return -1;
+    for (long s = 0; s < a->S; s++) {
+        const int64_t *table = a->tables + s * a->table_stride;
+        long p_last = (long)a->pos[s], p0 = (long)a->first[s];
+        long n = p_last - p0 + 1;
+        if (a->k_new != NULL) {
+            long slot = (long)table[p_last / bs] * bs + p_last % bs;
+            for (long g = 0; g < Hkv; g++) {
+                memcpy(a->kv + (g * num_slots + slot) * D, a->k_new + s * a->new_sS + g * a->new_sH, D * sizeof(float));
+                memcpy(keys_v + (g * num_slots + slot) * D, a->v_new + s * a->new_sS + g * a->new_sH, D * sizeof(float));
+            }
+        }
+        for (long g = 0; g < Hkv; g++) {
+            const float *qg = a->q + s * a->q_sS + g * rep * a->q_sH;
+            const float *kg = a->kv + g * num_slots * D;
+            const float *vg = keys_v + g * num_slots * D;
+            /* scores [rep, n], block by block (a block's slots are consecutive rows) */
+            for (long b = p0 / bs, j = 0; b <= p_last / bs; b++) {
+                long lo = b * bs > p0 ? b * bs : p0, hi = (b + 1) * bs <= p_last ? (b + 1) * bs : p_last + 1;
+                const float *k = kg + ((long)table[b] * bs + (lo - b * bs)) * D;
+                for (long p = lo; p < hi; p++, j++, k += D) {
+                    for (long r = 0; r < rep; r++) {
+                        const float *qr = qg + r * a->q_sH;
+                        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                        for (long i = 0; i < D; i++) acc += qr[i] * k[i];
+                        sc[r * n + j] = acc * a->scale;
+                    }
+                }
+            }
+            /* softmax per query head */
+            for (long r = 0; r < rep; r++) {
+                float *row = sc + r * n;
+                float m = row[0];
+                for (long j = 1; j < n; j++) m = row[j] > m ? row[j] : m;
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (long j = 0; j < n; j++) {
+                    float e = exp_neg(row[j] - m);
+                    row[j] = e;
+                    sum += e;
+                }
+                float inv = 1.0f / sum;
+#pragma omp simd
+                for (long j = 0; j < n; j++) row[j] *= inv;
+            }
+            /* out[s, g*rep + r] = sum_j p[r, j] v_j */
+            float *og = a->out + (s * Hq + g * rep) * D;
+            memset(og, 0, rep * D * sizeof(float));
+            for (long b = p0 / bs, j = 0; b <= p_last / bs; b++) {
+                long lo = b * bs > p0 ? b * bs : p0, hi = (b + 1) * bs <= p_last ? (b + 1) * bs : p_last + 1;
+                const float *v = vg + ((long)table[b] * bs + (lo - b * bs)) * D;
+                for (long p = lo; p < hi; p++, j++, v += D) {
+                    for (long r = 0; r < rep; r++) {
+                        float w = sc[r * n + j];
+                        float *o = og + r * D;
+#pragma omp simd
+                        for (long i = 0; i < D; i++) o[i] += w * v[i];
+                    }
+                }
+            }
+        }
+    }
+    free(sc);
+    return 0;
+}
+

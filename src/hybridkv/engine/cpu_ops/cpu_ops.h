@@ -1,0 +1,85 @@
+/* Shared declarations of the fused CPU kernels' sources: rowops.c (norms, RoPE, activation),
+ * attention.c (paged decode attention), qmatmul.c (quantized matmuls), pool.c (threads),
+ * decode_stack.c (a decode step's layers in one call) and cpu_ops.c (the Python module).
+ * All fp32, over raw pointers; strides are in elements. */
+#ifndef HYBRIDKV_CPU_OPS_H
+#define HYBRIDKV_CPU_OPS_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) as 2^n * 2^f, f in
+ * [-0.5, 0.5], 2^f by Cephes' exp2f polynomial (relative error < 2e-7); x < -86 gives 0
+ * (e^-86 < 1e-37, and 2^n stays a normal float). */
+static inline float exp_neg(float x) {
+    if (x < -86.0f) return 0.0f;
+    float t = x * 1.44269504088896341f;
+    float n = nearbyintf(t);
+    float f = t - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    union { float f; int32_t i; } u;
+    u.f = p;
+    u.i += ((int32_t)n) << 23;
+    return u.f;
+}
+
+/* rowops.c */
+void rms_rows(const float *x, float *out, const float *scale, long T, long H, long D, long sT, long sH, long rows,
+              float eps, long oT);
+void rope_rows(const float *x, float *out, const float *cs, const float *sn, long T, long H, long D, long sT, long sH,
+               long c_sT, long oT);
+void gated_rows(const float *gu, float *out, long T, long I, long sT, long act);
+
+/* attention.c */
+/* What one decode_attention call computes: its S sequences. */
+typedef struct {
+    const float *q, *k_new, *v_new;
+    long q_sS, q_sH, new_sS, new_sH;
+    float *kv;
+    long num_slots, Hkv, D, rep;
+    const int64_t *tables;
+    long table_stride, table_width; /* a table row's stride; blocks it holds */
+    const int64_t *first, *pos;
+    long bs;
+    float scale;
+    float *out;
+    long S;
+} attn_job;
+
+/* 0, or -1 with `err` (of `size` bytes) saying which sequence's positions or blocks are outside
+ * its table or the pool */
+int attend_check(const attn_job *a, char *err, size_t size);
+/* 0, or -1 when out of memory */
+int attend(const attn_job *a);
+
+/* pool.c */
+typedef void (*part_fn)(void *ctx, long part, long parts);
+void pool_run(part_fn fn, void *ctx, long parts);
+void pool_set_threads(int threads);
+long pool_threads(void);
+
+/* qmatmul.c: y [M, N] (rows at + m * sy) = x [M, K] (rows at + m * sx) times a quantized
+ * weight [N, K]: kind 1 int8 (w: q [N, K], scales fp32 [N]), 2 int4 (w: nibbles [N, K/2],
+ * scales: (scale, zero) pairs [N, K/G, 2] in bf16 when sz_bf16, else fp32) */
+typedef struct {
+    long kind;
+    const void *w, *scales;
+    long group, sz_bf16, N, K;
+} qweight;
+/* 0, or -1 when out of memory (int4 needs a copy of x) */
+int qmatmul(const qweight *w, const float *x, long sx, long M, float *y, long sy);
+PyObject *q8_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *q4_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+/* decode_stack.c */
+PyObject *decode_stack(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+#endif

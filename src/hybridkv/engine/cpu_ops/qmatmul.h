@@ -1,0 +1,63 @@
+/* What the quantized matmul sources share (qmatmul.c: fp32 inputs, qmatmul_bf16.c: bf16). */
+#ifndef HYBRIDKV_QMATMUL_H
+#define HYBRIDKV_QMATMUL_H
+#include "cpu_ops.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(HYBRIDKV_GENERIC)
+#define QM_AVX512 1
+#include <immintrin.h>
+#endif
+
+#define QM_GROUPS 64  /* int4 groups whose scales a tile converts at a time */
+#define QM_AHEAD 1024 /* bytes ahead of each weight row read to prefetch */
+
+typedef struct {
+    const float *x; /* [M, K], rows at + m * sx */
+    long sx, M, K, N;
+    const void *w;       /* int8 q [N, K] or uint8 nib [N, K/2] */
+    const void *scales;  /* int8: fp32 [N]; int4: sz [N, K/G, 2] */
+    int sz_bf16;         /* int4: sz in bf16 (else fp32); both: the inputs rounded to bf16 */
+    long G;
+    float *y; /* [M, N], rows at + m * sy */
+    long sy;
+    const float *xp; /* int4: x de-interleaved per 32 columns [M, K] (16 even columns, 16 odd) */
+    const uint16_t *xb; /* bf16 inputs: x in bf16 [M, K32] (int4: de-interleaved), zeros past K */
+    long K32;           /* K rounded up to a multiple of 32 */
+    uint16_t *wb;       /* bf16 inputs: per part, a decoded tile of 4 weight rows [4, K32] */
+} qjob;
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+/* int4 group (n, g): its scale and lo = z - 8 s */
+static inline void q4_group(const qjob *j, long n, long g, float *s, float *lo) {
+    long i = (n * (j->K / j->G) + g) * 2;
+    float sc, z;
+    if (j->sz_bf16) {
+        const uint16_t *p = (const uint16_t *)j->scales + i;
+        sc = bf16_to_f32(p[0]), z = bf16_to_f32(p[1]);
+    } else {
+        const float *p = (const float *)j->scales + i;
+        sc = p[0], z = p[1];
+    }
+    *s = sc;
+    *lo = z - 8.0f * sc;
+}
+
+/* rows [n0, n1) of the job's share p of P: whole tiles of 4 rows, as even as that allows */
+static inline void split_rows(long N, long p, long P, long *n0, long *n1) {
+    long tiles = (N + 3) / 4;
+    *n0 = (tiles * p / P) * 4;
+    *n1 = (tiles * (p + 1) / P) * 4;
+    if (*n1 > N) *n1 = N;
+    if (*n0 > N) *n0 = N;
+}
+
+/* qmatmul_bf16.c: the parts of a job with bf16 inputs */
+void q8_bf16_part(void *ctx, long p, long P);
+void q4_bf16_part(void *ctx, long p, long P);
+void round_inputs(const qjob *j, uint16_t *xb, int deinterleave);
+#endif
