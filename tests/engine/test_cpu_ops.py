@@ -82,12 +82,21 @@ def _dense(q, k, v, scale):
     return torch.einsum("hn,hnd->hd", p, vv.double()).float()
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def kernel_threads(request):
+    """The kernels' threads (the decode attention splits its sequences over them)."""
+    before = cpu_ops.load().get_threads()
+    cpu_ops.load().set_threads(request.param)
+    yield request.param
+    cpu_ops.load().set_threads(before)
+
+
 @pytest.mark.parametrize("seed", range(10))
-def test_decode_attention_writes_then_attends_through_random_tables(seed):
+def test_decode_attention_writes_then_attends_through_random_tables(seed, kernel_threads):
     g = torch.Generator().manual_seed(seed)
     hkv, rep = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
     d, bs = [8, 16, 64, 80][seed % 4], [1, 3, 4, 16][seed % 4]
-    s = int(torch.randint(1, 5, (1,), generator=g))
+    s = int(torch.randint(1, 11, (1,), generator=g))
     width = 12
     num_blocks = s * width + 1
     kv = torch.randn(2 * hkv, num_blocks * bs, d, generator=g)

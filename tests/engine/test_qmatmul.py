@@ -25,9 +25,10 @@ BF16_ROWS = 8
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
 def threads(request):
     ops = cpu_ops.load()
+    before = ops.get_threads()
     ops.set_threads(request.param)
     yield request.param
-    ops.set_threads(1)
+    ops.set_threads(before)
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:
@@ -139,6 +140,7 @@ def test_concurrent_callers_get_their_own_results():
     """Python threads calling at once (the GIL released in the kernels): one job at a time in the
     pool, each caller's output its own."""
     ops = cpu_ops.load()
+    before = ops.get_threads()
     ops.set_threads(2)
     try:
         g = torch.Generator().manual_seed(3)
@@ -159,7 +161,7 @@ def test_concurrent_callers_get_their_own_results():
             t.join(timeout=60)
         assert not any(t.is_alive() for t in threads) and not errors
     finally:
-        ops.set_threads(1)
+        ops.set_threads(before)
 
 
 def _run(code: str, **env) -> str:
@@ -210,3 +212,22 @@ def test_the_plain_c_build_computes_the_same(tmp_path):
     )
     out = _run(code, HYBRIDKV_CPU_OPS="generic", HYBRIDKV_CACHE_DIR=str(tmp_path / "cache"))
     assert out.startswith("worst True"), out
+
+
+def test_hold_cores_hands_the_threads_over_and_back():
+    ops = cpu_ops.load()
+    torch_threads, kernel_threads = torch.get_num_threads(), ops.get_threads()
+    was = cpu_ops._state.get("kernels", False)
+    try:
+        cpu_ops.hold_cores(False)
+        torch.set_num_threads(2)
+        cpu_ops.hold_cores(True)
+        assert (torch.get_num_threads(), ops.get_threads()) == (1, 2)
+        cpu_ops.hold_cores(True)  # sticky: nothing changes
+        assert (torch.get_num_threads(), ops.get_threads()) == (1, 2)
+        cpu_ops.hold_cores(False)
+        assert (torch.get_num_threads(), ops.get_threads()) == (2, 1)
+    finally:
+        cpu_ops.hold_cores(was)
+        torch.set_num_threads(torch_threads)
+        ops.set_threads(kernel_threads)

@@ -30,19 +30,14 @@ int attend_check(const attn_job *a, char *err, size_t size) {
     return 0;
 }
 
-/* Each sequence of a job: write its new K/V at pos[s], then attend from its rep * Hkv query heads
- * to positions first[s] .. pos[s] (validated by the caller). Returns -1 when out of memory. */
-int attend(const attn_job *a) {
+/* Sequences s0 .. s1-1 of a job: write its new K/V at pos[s], then attend from its rep * Hkv
+ * query heads to positions first[s] .. pos[s] (validated by the caller); sc: room for rep x
+ * the longest key range. */
+static void attend_range(const attn_job *a, long s0, long s1, float *sc) {
     long D = a->D, rep = a->rep, Hkv = a->Hkv, bs = a->bs, num_slots = a->num_slots;
     float *keys_v = a->kv + Hkv * num_slots * D;
-    long Hq = Hkv * rep, longest = 0;
-    for (long s = 0; s < a->S; s++) {
-        long n = (long)(a->pos[s] - a->first[s] + 1);
-        longest = n > longest ? n : longest;
-    }
-    float *sc = (float *)malloc((size_t)(rep * longest + 1) * sizeof(float));
-    if (sc == NULL) return -1;
-    for (long s = 0; s < a->S; s++) {
+    long Hq = Hkv * rep;
+    for (long s = s0; s < s1; s++) {
         const int64_t *table = a->tables + s * a->table_stride;
         long p_last = (long)a->pos[s], p0 = (long)a->first[s];
         long n = p_last - p0 + 1;
@@ -104,7 +99,49 @@ int attend(const attn_job *a) {
             }
         }
     }
-    free(sc);
+}
+
+#define MAX_PARTS 64
+
+/* a job split by sequences into parts of about equal key counts */
+typedef struct {
+    const attn_job *a;
+    float *sc;   /* [parts][rep * longest] */
+    long stride; /* rep * longest */
+    long bounds[MAX_PARTS + 1];
+} attn_split;
+
+static void attend_part(void *ctx, long p, long P) {
+    const attn_split *c = ctx;
+    attend_range(c->a, c->bounds[p], c->bounds[p + 1], c->sc + p * c->stride);
+}
+
+/* Each sequence's K/V write and attention, the sequences split over the kernels' threads (a
+ * part of about equal keys each, when there are enough keys to split). -1 when out of memory. */
+int attend(const attn_job *a) {
+    long longest = 0, keys = 0;
+    for (long s = 0; s < a->S; s++) {
+        long n = (long)(a->pos[s] - a->first[s] + 1);
+        longest = n > longest ? n : longest;
+        keys += n;
+    }
+    long parts = keys * a->Hkv * a->rep * a->D / 65536 + 1; /* ~64 K multiply-adds a part at least */
+    long threads = pool_threads();
+    parts = parts < threads ? parts : threads;
+    parts = parts < a->S ? parts : a->S;
+    parts = parts < MAX_PARTS ? parts : MAX_PARTS;
+    if (parts < 1) parts = 1;
+    attn_split c = {.a = a, .stride = a->rep * longest + 1};
+    c.sc = (float *)malloc(sizeof(float) * (size_t)(c.stride * parts));
+    if (c.sc == NULL) return -1;
+    long s = 0, seen = 0; /* part p ends where the keys so far pass (p + 1) / parts of them */
+    c.bounds[0] = 0;
+    for (long p = 0; p < parts; p++) {
+        while (s < a->S && (p == parts - 1 || seen * parts < keys * (p + 1))) seen += a->pos[s] - a->first[s] + 1, s++;
+        c.bounds[p + 1] = s;
+    }
+    pool_run(attend_part, &c, parts);
+    free(c.sc);
     return 0;
 }
 

@@ -78,6 +78,9 @@ static PyObject *set_threads(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* get_threads(): how many threads the splitting kernels use now */
+static PyObject *get_threads(PyObject *self, PyObject *unused) { return PyLong_FromLong(pool_threads()); }
+
 #define FAST(name, doc) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, doc}
 static PyMethodDef methods[] = {
     FAST(rms_norm, "RMSNorm of fp32 rows"),
@@ -88,6 +91,7 @@ static PyMethodDef methods[] = {
     FAST(q4_linear, "fp32 rows times an int4 weight"),
     FAST(decode_stack, "a decode step's decoder layers in one call"),
     {"set_threads", set_threads, METH_O, "threads of the splitting kernels"},
+    {"get_threads", get_threads, METH_NOARGS, "threads of the splitting kernels"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,7 +1,7 @@
 /* A small pool of worker threads for the kernels that split their work (qmatmul.c).
  *
- * pool_run(fn, ctx, P) calls fn(ctx, p, P) for p = 0 .. P-1, part 0 on the calling thread and
- * the others on workers, and returns when all are done. Workers are started on first use
+ * pool_run(fn, ctx, P) calls fn(ctx, p, P) for p = 0 .. P-1 (part p on thread p % (workers + 1),
+ * the calling thread being 0) and returns when all are done. Workers are started on first use
  * (pool_set_threads: how many threads a job may use, the caller included); after a job they
  * spin for a while (a decode step calls one matmul after another, a few microseconds apart),
  * then sleep on a condition variable until the next. One job runs at a time: a second caller
@@ -64,7 +64,7 @@ static void *worker(void *arg) {
             break;
         }
         seen = g;
-        if (me < pool.parts) pool.fn(pool.ctx, me, pool.parts);
+        for (long q = me; q < pool.parts; q += pool.workers + 1) pool.fn(pool.ctx, q, pool.parts);
         atomic_fetch_sub(&pool.pending, 1);
     }
     return NULL;
@@ -113,10 +113,9 @@ void pool_run(part_fn fn, void *ctx, long parts) {
     }
     pthread_mutex_lock(&pool.use);
     start_workers(atomic_load(&pool.threads) - 1);
-    if (parts > pool.workers + 1) parts = pool.workers + 1;
-    if (parts <= 1) {
+    if (pool.workers == 0) { /* no thread could be started: every part here */
         pthread_mutex_unlock(&pool.use);
-        fn(ctx, 0, 1);
+        for (long q = 0; q < parts; q++) fn(ctx, q, parts);
         return;
     }
     pool.fn = fn, pool.ctx = ctx, pool.parts = parts;
@@ -127,7 +126,7 @@ void pool_run(part_fn fn, void *ctx, long parts) {
         pthread_cond_broadcast(&pool.cv);
         pthread_mutex_unlock(&pool.mu);
     }
-    fn(ctx, 0, parts);
+    for (long q = 0; q < parts; q += pool.workers + 1) fn(ctx, q, parts);
     for (long spins = 1; atomic_load(&pool.pending) > 0; spins++) { /* a worker without a core: let it have ours */
         if (spins % YIELD_EVERY == 0) sched_yield();
         else relax();
