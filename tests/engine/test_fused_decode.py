@@ -57,14 +57,17 @@ def _run(model, quant: str, fused: bool, max_tokens: int = 14):
         model.fused_decode = keep
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("quant,compute", [("int8", torch.bfloat16), ("int4", torch.bfloat16), ("int8", torch.float32),
-                                           ("int4", torch.float32)])
+CASES = [(arch, quant, compute) for arch in ("llama", "gemma3") for quant in ("int8", "int4")
+         for compute in (torch.bfloat16, torch.float32)]
+CASES += [("mistral", "int4", torch.bfloat16), ("qwen3_plain", "int8", torch.bfloat16)]  # sliding; q/k norms
+
+
+@pytest.mark.parametrize("arch,quant,compute", CASES)
 def test_fused_decode_is_the_per_layer_path_bit_for_bit(tiny_models, arch, quant, compute):
     path, _ = tiny_models(arch)
     model = load_model(path)
     model.quantize_weights(quant, compute_dtype=compute)
-    assert isinstance(model.fused_decode, FusedDecode), "the loader's fast path describes Llama and Gemma 3 layers"
+    assert isinstance(model.fused_decode, FusedDecode), "the loader's fast path describes these layers"
     fused_tokens, fused_logits, calls = _run(model, quant, fused=True)
     assert calls >= 10  # most steps are decode steps
     tokens, logits, _ = _run(model, quant, fused=False)

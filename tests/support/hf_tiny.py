@@ -114,6 +114,14 @@ def _qwen3():
     return cfg, tf.Qwen3ForCausalLM
 
 
+def _qwen3_plain():
+    # no biases: the quantized fused decode step describes its layers (q/k norms, sliding layers)
+    cfg = tf.Qwen3Config(
+        **COMMON, num_hidden_layers=4, head_dim=16, use_sliding_window=True, sliding_window=14, max_window_layers=1,
+    )
+    return cfg, tf.Qwen3ForCausalLM
+
+
 def _gemma3_mm():
     # gemma-3-4b-it's text_config shape: heads 8, KV heads 4, head_dim 256 and query_pre_attn_scalar
     # 256 are transformers' defaults (written here only for the model we save; the file loses them)
@@ -175,6 +183,7 @@ CONFIGS = {
 #: LLMEngine) without re-running every engine scenario of test_engine / test_parity on them
 EXTRA_CONFIGS = {
     "qwen3": _qwen3,
+    "qwen3_plain": _qwen3_plain,
     "gemma3_mm": _gemma3_mm,
     "llama4_mm": _llama4_mm,
 }

@@ -212,7 +212,7 @@ int qmatmul(const qweight *w, const float *x, long sx, long M, float *y, long sy
     if (M <= 0 || w->N <= 0) return 0;
     if (w->sz_bf16 && M >= BF16_ROWS) { /* bf16 inputs: x rounded once, weights decoded per tile of 4 rows */
         long K32 = (w->K + 31) / 32 * 32, parts = parts_for(w->N * w->K * M / (M < 4 ? M : 4));
-        uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)(K32 * (M + 4 * parts)));
+        uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)(K32 * (M + QM_TILES * 4 * parts)));
         if (buf == NULL) return -1;
         j.K32 = K32, j.xb = buf, j.wb = buf + M * K32;
         round_inputs(&j, buf, w->kind == 2);

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #endif
 
+#define QM_TILES 4    /* bf16 path: tiles of 4 weight rows decoded before the rows of x pass over them */
 #define QM_GROUPS 64  /* int4 groups whose scales a tile converts at a time */
 #define QM_AHEAD 1024 /* bytes ahead of each weight row read to prefetch */
 
@@ -23,7 +24,7 @@ typedef struct {
     const float *xp; /* int4: x de-interleaved per 32 columns [M, K] (16 even columns, 16 odd) */
     const uint16_t *xb; /* bf16 inputs: x in bf16 [M, K32] (int4: de-interleaved), zeros past K */
     long K32;           /* K rounded up to a multiple of 32 */
-    uint16_t *wb;       /* bf16 inputs: per part, a decoded tile of 4 weight rows [4, K32] */
+    uint16_t *wb;       /* bf16 inputs: per part, QM_TILES decoded tiles of 4 weight rows [QM_TILES, 4, K32] */
 } qjob;
 
 static inline float bf16_to_f32(uint16_t h) {

@@ -126,18 +126,24 @@ static void bf16_part(const qjob *j, long p, long P, int int4) {
     long n0, n1;
     split_rows(j->N, p, P, &n0, &n1);
     if (n0 >= n1) return;
-    uint16_t *wb = j->wb + p * 4 * j->K32; /* this part's decoded tile */
+    uint16_t *wb = j->wb + p * QM_TILES * 4 * j->K32; /* this part's decoded tiles */
     const float *sc = (const float *)j->scales;
-    for (long n = n0; n < n1; n += 4) {
-        if (int4) decode_q4(j, n, wb);
-        else decode_q8(j, n, wb);
-        long nb = n1 - n < 4 ? n1 - n : 4;
+    for (long n = n0; n < n1; n += 4 * QM_TILES) { /* QM_TILES tiles decoded, then each 4 rows of x times them */
+        long tiles = (n1 - n + 3) / 4 < QM_TILES ? (n1 - n + 3) / 4 : QM_TILES;
+        for (long t = 0; t < tiles; t++) {
+            if (int4) decode_q4(j, n + 4 * t, wb + t * 4 * j->K32);
+            else decode_q8(j, n + 4 * t, wb + t * 4 * j->K32);
+        }
         for (long m = 0; m < j->M; m += 4) {
             long mb = j->M - m < 4 ? j->M - m : 4;
-            float out[4][4];
-            dot(j, wb, m, mb, out);
-            for (long a = 0; a < nb; a++)
-                for (long b = 0; b < mb; b++) j->y[(m + b) * j->sy + n + a] = int4 ? out[a][b] : out[a][b] * sc[n + a];
+            for (long t = 0; t < tiles; t++) {
+                long nt = n + 4 * t, nb = n1 - nt < 4 ? n1 - nt : 4;
+                float out[4][4];
+                dot(j, wb + t * 4 * j->K32, m, mb, out);
+                for (long a = 0; a < nb; a++)
+                    for (long b = 0; b < mb; b++)
+                        j->y[(m + b) * j->sy + nt + a] = int4 ? out[a][b] : out[a][b] * sc[nt + a];
+            }
         }
     }
 }

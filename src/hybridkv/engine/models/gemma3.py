@@ -29,7 +29,7 @@ import torch
 
 from hybridkv.engine.attention import AttentionMetadata, AttentionType
 from hybridkv.engine.models.base import CausalLM, DecoderLayer, DecoderStack, RMSNorm, Rope, require
-from hybridkv.engine.models.llama import GatedMLP, LlamaAttention
+from hybridkv.engine.models.llama import GatedMLP, LlamaAttention, qk_norm_decode_parts
 from hybridkv.engine.models.norms import rms_norm_heads
 from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half
 from hybridkv.errors import InvalidConfigError
@@ -48,11 +48,7 @@ class Gemma3Attention(LlamaAttention):
 
     def decode_parts(self, qk_norm=None):
         """:meth:`LlamaAttention.decode_parts` with q_norm's and k_norm's multipliers per head."""
-        if type(self).qkv is not Gemma3Attention.qkv or self.q_norm.eps != self.k_norm.eps:
-            return None
-        scale = torch.cat([self.q_norm.scale().expand(self.num_heads, -1),
-                           self.k_norm.scale().expand(self.num_kv_heads, -1)]).contiguous()  # [Hq + Hkv, D] fp32
-        return super().decode_parts((scale, self.q_norm.eps))
+        return qk_norm_decode_parts(self, Gemma3Attention)
 
     def qkv(
         self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata

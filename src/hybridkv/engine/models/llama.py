@@ -192,6 +192,18 @@ class LlamaAttention(nn.Module):
         return q, k, v
 
 
+def qk_norm_decode_parts(attn: LlamaAttention, cls: type) -> dict[str, Any] | None:
+    """``decode_parts`` of an attention whose ``qkv`` is ``cls.qkv``: Llama's, with per-head
+    RMSNorms ``q_norm`` / ``k_norm`` (of one eps) before RoPE, as
+    :func:`~hybridkv.engine.models.norms.rms_norm_heads` applies them to fp32 rows (Gemma 3,
+    Qwen3); None when a subclass changed ``qkv``."""
+    if type(attn).qkv is not cls.qkv or attn.q_norm.eps != attn.k_norm.eps:
+        return None
+    scale = torch.cat([attn.q_norm.scale().expand(attn.num_heads, -1),
+                       attn.k_norm.scale().expand(attn.num_kv_heads, -1)]).contiguous()  # [Hq + Hkv, D] fp32
+    return LlamaAttention.decode_parts(attn, (scale, attn.q_norm.eps))
+
+
 class LlamaForCausalLM(CausalLM):
     """Llama 2 / 3 / 3.1 (rope default, linear or llama3). All layers full attention."""
 

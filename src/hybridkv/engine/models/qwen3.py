@@ -12,7 +12,7 @@ import torch
 
 from hybridkv.engine.attention import AttentionMetadata
 from hybridkv.engine.models.base import RMSNorm, Rope
-from hybridkv.engine.models.llama import LlamaAttention, LlamaForCausalLM
+from hybridkv.engine.models.llama import LlamaAttention, LlamaForCausalLM, qk_norm_decode_parts
 from hybridkv.engine.models.norms import rms_norm_heads
 from hybridkv.engine.models.rope import apply_rotate_half
 
@@ -27,6 +27,10 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(model.head_dim, model.eps)
         self.k_norm = RMSNorm(model.head_dim, model.eps)
         self._qk_norm: dict = {}  # q_norm's and k_norm's multipliers stacked per head (rms_norm_heads)
+
+    def decode_parts(self, qk_norm=None):
+        """:meth:`LlamaAttention.decode_parts` with q_norm's and k_norm's multipliers per head."""
+        return qk_norm_decode_parts(self, Qwen3Attention)
 
     def qkv(
         self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata
