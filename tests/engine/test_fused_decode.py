@@ -167,3 +167,21 @@ def test_a_plan_that_does_not_fit_together_is_refused(tiny_models):
         assert torch.equal(h, hidden)
     fused._plan = (fused._plan[0], plan)
     assert struct.calcsize("<16q28q2d") == record.size
+
+
+def test_torch_gets_the_cores_back_when_the_engine_is_idle(tiny_models):
+    """Decode steps lend the cores to the kernels (torch on one thread); once nothing is left to
+    run, and in a model's steps that are not quantized decode, torch's threads are as before."""
+    path, _ = tiny_models("llama")
+    model = load_model(path)
+    model.quantize_weights("int8")
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, max_model_len=64, quantization="int8",
+                                           attention_backend="cpu"))
+    before = torch.get_num_threads()  # as the engine set them
+    engine.add_request([3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True))
+    lent = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        lent.append(cpu_ops._state.get("kernels", False))
+    assert any(lent[:-1]) and not lent[-1]
+    assert torch.get_num_threads() == before

@@ -46,6 +46,7 @@ import torch
 
 from hybridkv.checkpoint import ModelSource
 from hybridkv.core.kv_cache_manager import KVCacheManager
+from hybridkv.engine import cpu_ops
 from hybridkv.engine.decode_graphs import DecodeGraphs
 from hybridkv.engine_config import EngineConfig
 from hybridkv.engine.host import fit_threads_to_affinity, keep_freed_memory
@@ -291,6 +292,8 @@ class LLMEngine:
             done = self._output(seq, now) if sr.request_id in finished else None
             if new or done is not None:
                 deltas.append(RequestDelta(sr.request_id, new, done))
+        if not sched.has_unfinished_requests():  # idle: torch gets the cores back (a quantized decode lent them out)
+            cpu_ops.hold_cores(False)
         return deltas
 
     def step(self) -> list[RequestOutput]:
