@@ -30,25 +30,25 @@ int attend_check(const attn_job *a, char *err, size_t size) {
     return 0;
 }
 
-/* Sequences s0 .. s1-1 of a job: write its new K/V at pos[s], then attend from its rep * Hkv
- * query heads to positions first[s] .. pos[s] (validated by the caller); sc: room for rep x
- * the longest key range. */
-static void attend_range(const attn_job *a, long s0, long s1, float *sc) {
+/* Work items i0 .. i1-1 of a job, item i = (sequence s, KV head g) = (i / Hkv, i % Hkv): write
+ * its new K/V at pos[s], then attend from its rep query heads to positions first[s] .. pos[s]
+ * (validated by the caller); sc: room for rep x the longest key range. Items touch disjoint
+ * cache rows (head g of slot pos[s]) and output rows. */
+static void attend_range(const attn_job *a, long i0, long i1, float *sc) {
     long D = a->D, rep = a->rep, Hkv = a->Hkv, bs = a->bs, num_slots = a->num_slots;
     float *keys_v = a->kv + Hkv * num_slots * D;
     long Hq = Hkv * rep;
-    for (long s = s0; s < s1; s++) {
+    for (long i = i0; i < i1; i++) {
+        long s = i / Hkv, g = i % Hkv;
         const int64_t *table = a->tables + s * a->table_stride;
         long p_last = (long)a->pos[s], p0 = (long)a->first[s];
         long n = p_last - p0 + 1;
         if (a->k_new != NULL) {
             long slot = (long)table[p_last / bs] * bs + p_last % bs;
-            for (long g = 0; g < Hkv; g++) {
-                memcpy(a->kv + (g * num_slots + slot) * D, a->k_new + s * a->new_sS + g * a->new_sH, D * sizeof(float));
-                memcpy(keys_v + (g * num_slots + slot) * D, a->v_new + s * a->new_sS + g * a->new_sH, D * sizeof(float));
-            }
+            memcpy(a->kv + (g * num_slots + slot) * D, a->k_new + s * a->new_sS + g * a->new_sH, D * sizeof(float));
+            memcpy(keys_v + (g * num_slots + slot) * D, a->v_new + s * a->new_sS + g * a->new_sH, D * sizeof(float));
         }
-        for (long g = 0; g < Hkv; g++) {
+        { /* the attention of head g's rep query heads */
             const float *qg = a->q + s * a->q_sS + g * rep * a->q_sH;
             const float *kg = a->kv + g * num_slots * D;
             const float *vg = keys_v + g * num_slots * D;
@@ -61,7 +61,7 @@ static void attend_range(const attn_job *a, long s0, long s1, float *sc) {
                         const float *qr = qg + r * a->q_sH;
                         float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-                        for (long i = 0; i < D; i++) acc += qr[i] * k[i];
+                        for (long d = 0; d < D; d++) acc += qr[d] * k[d];
                         sc[r * n + j] = acc * a->scale;
                     }
                 }
@@ -93,7 +93,7 @@ static void attend_range(const attn_job *a, long s0, long s1, float *sc) {
                         float w = sc[r * n + j];
                         float *o = og + r * D;
 #pragma omp simd
-                        for (long i = 0; i < D; i++) o[i] += w * v[i];
+                        for (long d = 0; d < D; d++) o[d] += w * v[d];
                     }
                 }
             }
@@ -103,7 +103,7 @@ static void attend_range(const attn_job *a, long s0, long s1, float *sc) {
 
 #define MAX_PARTS 64
 
-/* a job split by sequences into parts of about equal key counts */
+/* a job split by (sequence, KV head) into parts of about equal key counts */
 typedef struct {
     const attn_job *a;
     float *sc;   /* [parts][rep * longest] */
@@ -116,8 +116,8 @@ static void attend_part(void *ctx, long p, long P) {
     attend_range(c->a, c->bounds[p], c->bounds[p + 1], c->sc + p * c->stride);
 }
 
-/* Each sequence's K/V write and attention, the sequences split over the kernels' threads (a
- * part of about equal keys each, when there are enough keys to split). -1 when out of memory. */
+/* Each sequence's K/V write and attention, its KV heads split over the kernels' threads (parts
+ * of about equal keys, when there are enough keys to split). -1 when out of memory. */
 int attend(const attn_job *a) {
     long longest = 0, keys = 0;
     for (long s = 0; s < a->S; s++) {
@@ -125,20 +125,22 @@ int attend(const attn_job *a) {
         longest = n > longest ? n : longest;
         keys += n;
     }
+    long items = a->S * a->Hkv; /* (sequence, KV head) pairs */
     long parts = keys * a->Hkv * a->rep * a->D / 65536 + 1; /* ~64 K multiply-adds a part at least */
     long threads = pool_threads();
     parts = parts < threads ? parts : threads;
-    parts = parts < a->S ? parts : a->S;
+    parts = parts < items ? parts : items;
     parts = parts < MAX_PARTS ? parts : MAX_PARTS;
     if (parts < 1) parts = 1;
     attn_split c = {.a = a, .stride = a->rep * longest + 1};
     c.sc = (float *)malloc(sizeof(float) * (size_t)(c.stride * parts));
     if (c.sc == NULL) return -1;
-    long s = 0, seen = 0; /* part p ends where the keys so far pass (p + 1) / parts of them */
+    long i = 0, seen = 0; /* part p ends where the keys so far pass (p + 1) / parts of them */
     c.bounds[0] = 0;
     for (long p = 0; p < parts; p++) {
-        while (s < a->S && (p == parts - 1 || seen * parts < keys * (p + 1))) seen += a->pos[s] - a->first[s] + 1, s++;
-        c.bounds[p + 1] = s;
+        while (i < items && (p == parts - 1 || seen * parts < keys * a->Hkv * (p + 1)))
+            seen += a->pos[i / a->Hkv] - a->first[i / a->Hkv] + 1, i++;
+        c.bounds[p + 1] = i;
     }
     pool_run(attend_part, &c, parts);
     free(c.sc);
