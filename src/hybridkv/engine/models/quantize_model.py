@@ -36,7 +36,7 @@ def quantize_model(model, mode: str, compute_dtype: torch.dtype = torch.bfloat16
     """Quantize ``model``'s weights as ``mode``; the kernels take inputs in ``compute_dtype``
     (bf16: see :mod:`~hybridkv.engine.models.quantize` for why). int4 groups of 32 (the input
     sizes must be multiples of 32, else an InvalidConfigError before anything changes).
-    CPU only (torch's kernels)."""
+    CPU only (the C kernels, or torch's where they cannot be built)."""
     embed = model.model.embed_tokens.weight
     check_quantization(mode, embed.device)
     if model.quantization is not None:
