@@ -101,25 +101,31 @@ def test_not_quantized_no_plan(tiny_models):
     assert model.use_cpu_kernels(True) and model.fused_decode is None  # the exact path: no fused step
 
 
-def test_a_step_outside_its_tables_changes_nothing(tiny_models):
-    """decode_stack checks every layer's positions and blocks before it writes any K/V."""
-    path, _ = tiny_models("gemma3")
+def _a_decode_step(tiny_models, arch: str, quant: str):
+    """A quantized ``arch`` engine run to the end; returns (model, its FusedDecode, the unpatched
+    ``run``, and the first fused step's hidden (a copy), rope and meta)."""
+    path, _ = tiny_models(arch)
     model = load_model(path)
-    model.quantize_weights("int8")
-    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, max_model_len=64, quantization="int8",
+    model.quantize_weights(quant)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, max_model_len=64, quantization=quant,
                                            attention_backend="cpu"))
     engine.add_request(list(range(3, 12)), SamplingParams(max_tokens=3, ignore_eos=True))
-    captured = {}
-    run = model.fused_decode.run
+    fused, captured = model.fused_decode, {}
+    run = fused.run
 
     def capture(hidden, rope, meta):
         captured.setdefault("args", (hidden.clone(), rope, meta))
         return run(hidden, rope, meta)
 
-    model.fused_decode.run = capture
+    fused.run = capture
     while engine.has_unfinished_requests():
         engine.step()
-    hidden, rope, meta = captured["args"]
+    return (model, fused, run, *captured["args"])
+
+
+def test_a_step_outside_its_tables_changes_nothing(tiny_models):
+    """decode_stack checks every layer's positions and blocks before it writes any K/V."""
+    model, _, run, hidden, rope, meta = _a_decode_step(tiny_models, "gemma3", "int8")
     storage = meta.storage
     before = [storage.layer_kv(i).clone() for i in range(model.num_layers)]
     for bad in (meta.start + 10_000, meta.start * 0 - 1):
@@ -138,19 +144,7 @@ def test_a_plan_that_does_not_fit_together_is_refused(tiny_models):
 
     from hybridkv.engine.models import fused_decode
 
-    path, _ = tiny_models("llama")
-    model = load_model(path)
-    model.quantize_weights("int4")
-    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, max_model_len=64, quantization="int4",
-                                           attention_backend="cpu"))
-    engine.add_request(list(range(3, 9)), SamplingParams(max_tokens=3, ignore_eos=True))
-    fused = model.fused_decode
-    seen = {}
-    run = fused.run
-    fused.run = lambda hidden, rope, meta: seen.setdefault("args", (hidden.clone(), rope, meta)) and run(hidden, rope, meta)
-    while engine.has_unfinished_requests():
-        engine.step()
-    hidden, rope, meta = seen["args"]
+    _, fused, run, hidden, rope, meta = _a_decode_step(tiny_models, "llama", "int4")
     plan = fused._layer_plan(meta.storage)
     record = fused_decode._RECORD
     good = bytes(plan.numpy())

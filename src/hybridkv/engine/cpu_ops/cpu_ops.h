@@ -75,6 +75,8 @@ typedef struct {
     const void *w, *scales;
     long group, sz_bf16, N, K;
 } qweight;
+/* whether w is a weight the matmuls can read (kind, group, K) */
+int qweight_ok(const qweight *w);
 /* 0, or -1 when out of memory (int4 needs a copy of x) */
 int qmatmul(const qweight *w, const float *x, long sx, long M, float *y, long sy);
 PyObject *q8_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

@@ -57,11 +57,8 @@ static attn_job job_of(const int64_t *p, const int64_t *step) {
     return job;
 }
 
-/* a weight of kind 1 (int8) or 2 (int4, G a multiple of 32 dividing K) of shape [n, k] */
-static int weight_ok(const qweight *w, long n, long k) {
-    if (w->N != n || w->K != k || w->w == NULL || w->scales == NULL) return 0;
-    return w->kind == 1 || (w->kind == 2 && w->group >= 32 && w->group % 32 == 0 && k % w->group == 0);
-}
+/* a weight the matmuls can read (qweight_ok) of shape [n, k] */
+static int weight_ok(const qweight *w, long n, long k) { return w->N == n && w->K == k && qweight_ok(w); }
 
 /* layer p's shapes and indexes make sense for the step (else err) */
 static int layer_ok(const int64_t *p, const int64_t *step, long l, char *err, size_t size) {

@@ -238,30 +238,38 @@ int qmatmul(const qweight *w, const float *x, long sx, long M, float *y, long sy
     return 0;
 }
 
+/* a weight of kind 1 (int8) or 2 (int4: G a multiple of 32 dividing K), K >= 1, N >= 0, its
+ * memory given when it has rows */
+int qweight_ok(const qweight *w) {
+    if (w->K < 1 || w->N < 0 || (w->N > 0 && (w->w == NULL || w->scales == NULL))) return 0;
+    return w->kind == 1 || (w->kind == 2 && w->group >= 32 && w->group % 32 == 0 && w->K % w->group == 0);
+}
+
+/* what both wrappers do once their arguments are read: check, run without the GIL */
+static PyObject *linear_call(const qweight *w, const float *x, long sx, long M, float *y, long sy, const char *what) {
+    if (PyErr_Occurred()) return NULL;
+    if (M < 0 || !qweight_ok(w) || sx < w->K || sy < w->N) {
+        PyErr_Format(PyExc_ValueError, "%s: bad shapes (K >= 1; int4: K a multiple of G, G of 32)", what);
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = qmatmul(w, x, sx, M, y, sy);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 /* q8_linear(x, sx, M, K, q, scale, N, y, sy, bf16) */
 PyObject *q8_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 10) {
         PyErr_SetString(PyExc_TypeError, "q8_linear takes 10 arguments");
         return NULL;
     }
-    const float *x = PyLong_AsVoidPtr(args[0]);
-    long sx = PyLong_AsLong(args[1]), M = PyLong_AsLong(args[2]);
     qweight w = {.kind = 1, .K = PyLong_AsLong(args[3]), .w = PyLong_AsVoidPtr(args[4]),
-                 .scales = PyLong_AsVoidPtr(args[5]), .N = PyLong_AsLong(args[6])};
-    float *y = PyLong_AsVoidPtr(args[7]);
-    long sy = PyLong_AsLong(args[8]);
-    w.sz_bf16 = PyObject_IsTrue(args[9]);
-    if (PyErr_Occurred()) return NULL;
-    if (M < 0 || w.K < 1 || w.N < 0 || sx < w.K || sy < w.N) {
-        PyErr_SetString(PyExc_ValueError, "q8_linear: bad shapes");
-        return NULL;
-    }
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = qmatmul(&w, x, sx, M, y, sy);
-    Py_END_ALLOW_THREADS
-    if (rc != 0) return PyErr_NoMemory();
-    Py_RETURN_NONE;
+                 .scales = PyLong_AsVoidPtr(args[5]), .N = PyLong_AsLong(args[6]), .sz_bf16 = PyObject_IsTrue(args[9])};
+    return linear_call(&w, PyLong_AsVoidPtr(args[0]), PyLong_AsLong(args[1]), PyLong_AsLong(args[2]),
+                       PyLong_AsVoidPtr(args[7]), PyLong_AsLong(args[8]), "q8_linear");
 }
 
 /* q4_linear(x, sx, M, K, nib, sz, sz_bf16, G, N, y, sy) */
@@ -270,22 +278,9 @@ PyObject *q4_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "q4_linear takes 11 arguments");
         return NULL;
     }
-    const float *x = PyLong_AsVoidPtr(args[0]);
-    long sx = PyLong_AsLong(args[1]), M = PyLong_AsLong(args[2]);
     qweight w = {.kind = 2, .K = PyLong_AsLong(args[3]), .w = PyLong_AsVoidPtr(args[4]),
                  .scales = PyLong_AsVoidPtr(args[5]), .sz_bf16 = PyObject_IsTrue(args[6]),
                  .group = PyLong_AsLong(args[7]), .N = PyLong_AsLong(args[8])};
-    float *y = PyLong_AsVoidPtr(args[9]);
-    long sy = PyLong_AsLong(args[10]);
-    if (PyErr_Occurred()) return NULL;
-    if (M < 0 || w.N < 0 || w.group < 32 || w.group % 32 || w.K < w.group || w.K % w.group || sx < w.K || sy < w.N) {
-        PyErr_SetString(PyExc_ValueError, "q4_linear: bad shapes (K a multiple of G, G of 32)");
-        return NULL;
-    }
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = qmatmul(&w, x, sx, M, y, sy);
-    Py_END_ALLOW_THREADS
-    if (rc != 0) return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    return linear_call(&w, PyLong_AsVoidPtr(args[0]), PyLong_AsLong(args[1]), PyLong_AsLong(args[2]),
+                       PyLong_AsVoidPtr(args[9]), PyLong_AsLong(args[10]), "q4_linear");
 }

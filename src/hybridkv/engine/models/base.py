@@ -368,9 +368,8 @@ class CausalLM(nn.Module):
         on for quantized models (their fast path); the exact default keeps torch's ops."""
         on = bool(enable) and cpu_ops.load() is not None
         for module in self.modules():
-            if hasattr(module, "cpu_kernels"):  # RMSNorm, the attention's RoPE, the gated MLP
+            if hasattr(module, "cpu_kernels"):  # RMSNorm, the attention's RoPE, the gated MLP, this model
                 module.cpu_kernels = on
-        self.cpu_kernels = on
         self.fused_decode = None
         if on and self.quantization is not None:
             from hybridkv.engine.models.fused_decode import FusedDecode

@@ -32,7 +32,6 @@ __all__ = ["FusedDecode", "describe_layer"]
 
 #: the C plan's per-layer record (decode_stack.c): 16 int64, 4 weights of 7 int64, 2 doubles
 _RECORD = struct.Struct("<16q28q2d")
-_ACTS = {"silu": 0, "gelu_tanh": 1}
 
 
 def describe_layer(layer, ln2, post_attn, post_ff) -> dict[str, Any] | None:
@@ -97,7 +96,7 @@ class FusedDecode:
                 p["num_heads"], p["num_kv_heads"], p["head_dim"], p["hidden"], p["intermediate"],
                 ptr(p["ln1"]), ptr(p["ln2"]), ptr(p["post_attn"]), ptr(p["post_ff"]), ptr(p["qk_norm"]),
                 self.ropes.index(p["rope"]), self.attns.index(p["attn"]), storage.group_of(p["layer"]),
-                kv.data_ptr(), kv.shape[1], _ACTS[p["act"]],
+                kv.data_ptr(), kv.shape[1], cpu_ops.ACTIVATIONS[p["act"]],
                 *p["qkv"].kernel_fields(), *p["o"].kernel_fields(), *p["gate_up"].kernel_fields(),
                 *p["down"].kernel_fields(), p["eps"], p["scale"],
             ))

@@ -92,7 +92,8 @@ class Int8Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [.., K] -> [.., N] (returned in x's dtype): up to :data:`KERNEL_ROWS` fp32 rows in the C
-        kernel (fp32 products), else torch's kernel in the scales' dtype; more rows on the dense weight."""
+        kernel (see the module docstring for its precision), else torch's kernel in the scales'
+        dtype; more rows on the dense weight."""
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]
         if x2.shape[0] <= KERNEL_ROWS:
             if _c_rows(x2):
@@ -147,7 +148,7 @@ class Int4Weight:
     ``scales_zeros`` [N, K/G, 2] in the compute dtype: what the C kernels multiply by
     (:func:`~hybridkv.engine.cpu_ops.q4_linear`), embedding rows and the dense weight of large
     inputs; ``packed`` and its ``[K/G, N_16, 2]`` scales: torch's kernel's layout, rows padded to
-    a multiple of 16 (only ``matmul`` weights, made when first used).
+    a multiple of 16 (:meth:`torch_layout`, made when first used: where the C kernels cannot be).
     """
 
     quantized = True
@@ -190,7 +191,8 @@ class Int4Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [.., K] -> [.., N] (returned in x's dtype): up to :data:`KERNEL_ROWS` fp32 rows in the C
-        kernel (fp32 products), else torch's kernel in the scales' dtype; more rows on the dense weight."""
+        kernel (see the module docstring for its precision), else torch's kernel in the scales'
+        dtype; more rows on the dense weight."""
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]
         if x2.shape[0] <= KERNEL_ROWS:
             if _c_rows(x2) and self.scales_zeros.dtype in _C_SCALES:
@@ -237,10 +239,7 @@ class Int4Weight:
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] fp32: ``(code - 8) * scale + zero`` from the stored scales and zeros, in fp32."""
-        n, k = self.shape
-        codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=2).view(n, k // self.group, self.group)
-        sz = self.scales_zeros.float()
-        return ((codes.float() - 8.0) * sz[..., 0:1] + sz[..., 1:2]).view(n, k)
+        return self._unpack(self.nibbles, self.scales_zeros.float())
 
     @property
     def nbytes(self) -> int:
