@@ -2,7 +2,7 @@
 
     python3 benchmarks/sim_route.py [--num-blocks 256,512,768,1024] [--seeds 5]
                                     [--policies full-only,hybrid,oracle,least-loaded]
-                                    [--max-imbalance 2] [--max-share-ratio 1.5] [--jitter 0.3]
+                                    [--max-imbalance 8] [--max-share-ratio 1.5] [--jitter 0.5]
 
 Each replica is the core's KV cache manager and scheduler (the tiny test Gemma 3's layout:
 sliding window 12 and full groups, block 4) stepping a fake runner; the router is the real
@@ -42,7 +42,7 @@ from tests.support.tiny_server import make_tiny_dir
 from hybridkv.core.usage import usable_blocks
 from hybridkv.protocol.kv_events import to_wire
 from hybridkv.router.balance import DEFAULT_MAX_SHARE_RATIO, DEFAULT_SHARE_WINDOW, Balance
-from hybridkv.router.policy import make_policy
+from hybridkv.router.policy import DEFAULT_MAX_IMBALANCE, make_policy
 from hybridkv.router.replica import Replica, ReplicaSpec
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.fake_runner import FakeRunner
@@ -218,7 +218,7 @@ class SimSetup:
     clients: int = 6
     open: int = 4
     max_tokens: int = 8
-    max_imbalance: int = 2
+    max_imbalance: int = DEFAULT_MAX_IMBALANCE
     balance: Balance | None = Balance()
     timing: Timing = Timing()
     max_model_len: int = 512

@@ -171,3 +171,16 @@ def test_router_replicas_reports_each_recent_share():
     assert all(0.2 < s < 0.5 for s in shares)  # no hits: spread evenly, as least-loaded would
     plain = _run(FakeReplicas(2), body, "least-loaded")
     assert [r["recent_share"] for r in plain["replicas"]] == [None, None]
+
+
+def test_one_default_in_flight_bound_for_the_library_the_router_and_the_cli():
+    import argparse
+
+    from hybridkv.cli import route as route_cli
+    from hybridkv.router.policy import DEFAULT_MAX_IMBALANCE
+
+    parser = argparse.ArgumentParser()
+    route_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["route", "--replica", "http://127.0.0.1:1"])
+    assert args.max_imbalance == RouterConfig().max_imbalance == DEFAULT_MAX_IMBALANCE
+    assert make_policy("hybrid").max_imbalance == DEFAULT_MAX_IMBALANCE

@@ -30,7 +30,7 @@ PREFIX = "hybridkv route"
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from hybridkv.router.balance import DEFAULT_MAX_SHARE_RATIO, DEFAULT_SHARE_WINDOW
-    from hybridkv.router.policy import PolicyName
+    from hybridkv.router.policy import DEFAULT_MAX_IMBALANCE, PolicyName
 
     p = subparsers.add_parser("route", help="route OpenAI requests across replicas by their KV cache",
                               description="A KV-cache-aware OpenAI-compatible proxy over hybridkv serve (or "
@@ -44,9 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--port", type=int_range(0, 65535), default=8000, help="port; 0 picks a free one (default 8000)")
     p.add_argument("--policy", choices=[x.value for x in PolicyName], default=PolicyName.HYBRID.value,
                    help="how to pick a replica (default hybrid)")
-    p.add_argument("--max-imbalance", type=int_range(0), default=8,
+    p.add_argument("--max-imbalance", type=int_range(0), default=DEFAULT_MAX_IMBALANCE,
                    help="a hit may send at most this many more in-flight requests to a replica than to the least "
-                        "loaded (default 8)")
+                        f"loaded (default {DEFAULT_MAX_IMBALANCE})")
     p.add_argument("--max-share-ratio", type=finite_float(0.0), default=DEFAULT_MAX_SHARE_RATIO,
                    help="balance: a replica whose share of the last --share-window decisions exceeds this multiple of "
                         f"the least-served replica's is passed over for hits; 0: no such rule (default "

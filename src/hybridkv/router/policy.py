@@ -42,7 +42,12 @@ from hybridkv.errors import InvalidConfigError
 from hybridkv.router.balance import Balance, RecentShares
 from hybridkv.router.replica import Replica
 
-__all__ = ["Policy", "PolicyName", "make_policy", "pick"]
+__all__ = ["Policy", "PolicyName", "make_policy", "pick", "DEFAULT_MAX_IMBALANCE"]
+
+#: a hit may put at most this many more in-flight requests on a replica than on the least loaded
+#: (``route --max-imbalance``); the share rule (:mod:`~hybridkv.router.balance`) keeps the longer-run
+#: balance, so this only bounds bursts
+DEFAULT_MAX_IMBALANCE = 8
 
 log = logging.getLogger("hybridkv.router")
 
@@ -133,7 +138,7 @@ class _RoundRobin:
         return replicas[next(self._turn) % len(replicas)], 0
 
 
-def make_policy(name: str, *, max_imbalance: int = 8, balance: Balance | None = Balance(),
+def make_policy(name: str, *, max_imbalance: int = DEFAULT_MAX_IMBALANCE, balance: Balance | None = Balance(),
                 oracle: Callable[[Replica, Sequence[int]], Awaitable[int]] | None = None) -> Policy:
     """The policy called ``name``; ``balance``: the share rule of the hit-ranking policies
     (None: none); ``oracle`` asks a replica for its hit (the oracle policy)."""

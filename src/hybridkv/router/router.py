@@ -36,7 +36,7 @@ from hybridkv.errors import InvalidArgumentError, InvalidConfigError, ServiceUna
 from hybridkv.protocol.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_request_bytes
 from hybridkv.router.index import Prompt
 from hybridkv.router.balance import DEFAULT_MAX_SHARE_RATIO, DEFAULT_SHARE_WINDOW, Balance
-from hybridkv.router.policy import make_policy
+from hybridkv.router.policy import DEFAULT_MAX_IMBALANCE, make_policy
 from hybridkv.router.replica import Replica, ReplicaSpec
 
 __all__ = ["Router", "RouterConfig"]
@@ -52,7 +52,7 @@ MAX_ROUTED_CHARS = 1 << 20
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     policy: str = "hybrid"
-    max_imbalance: int = 8
+    max_imbalance: int = DEFAULT_MAX_IMBALANCE
     #: hit-ranking policies pass over a replica whose share of the last ~``share_window`` decisions
     #: exceeds this multiple of the least-served one's (None: no share rule): :mod:`~hybridkv.router.balance`
     max_share_ratio: float | None = DEFAULT_MAX_SHARE_RATIO
