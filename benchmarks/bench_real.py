@@ -282,7 +282,7 @@ def profile_ours(lane: OursLane, w: Workload, top: int = 18) -> None:
     import pstats
 
     from hybridkv.engine import attention, kv_storage, model_runner, sampling
-    from hybridkv.engine.models import base, linear, quantize
+    from hybridkv.engine.models import base, linear, norms, quantize
     from hybridkv.scheduler.scheduler import Scheduler
 
     phases = {
@@ -297,7 +297,7 @@ def profile_ours(lane: OursLane, w: Workload, top: int = 18) -> None:
         "    paged_attention (write+gather+attend)": attention.paged_attention,
         "      KV write": kv_storage.PagedKVStorage.write,
         "      KV gather": kv_storage.PagedKVStorage.gather,
-        "    RMSNorm": base.RMSNorm.forward,
+        "    RMSNorm": norms.RMSNorm.forward,
         "  compute_logits (output projection)": type(lane.model).compute_logits,
         "  sampler": sampling.Sampler.sample_rows,
     }

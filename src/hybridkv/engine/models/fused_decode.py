@@ -38,8 +38,8 @@ def describe_layer(layer, ln2, post_attn, post_ff) -> dict[str, Any] | None:
     """A decoder layer's parts for the plan (None: it cannot run fused): its attention's and
     MLP's ``decode_parts()``, ``input_layernorm``, then ``ln2`` before the MLP, ``post_attn`` /
     ``post_ff`` on the branches' outputs (Gemma 3's sandwich norms; None: none); every norm an
-    RMSNorm of one eps, and ``layer.forward`` :class:`~hybridkv.engine.models.base.DecoderLayer`'s."""
-    from hybridkv.engine.models.base import DecoderLayer
+    RMSNorm of one eps, and ``layer.forward`` :class:`~hybridkv.engine.models.decoder.DecoderLayer`'s."""
+    from hybridkv.engine.models.decoder import DecoderLayer
     from hybridkv.engine.models.norms import RMSNorm
 
     if type(layer).forward is not DecoderLayer.forward:

@@ -28,9 +28,10 @@ from typing import Any, Mapping
 import torch
 
 from hybridkv.engine.attention import AttentionMetadata, AttentionType
-from hybridkv.engine.models.base import CausalLM, DecoderLayer, DecoderStack, RMSNorm, Rope, require
+from hybridkv.engine.models.base import CausalLM
+from hybridkv.engine.models.decoder import DecoderLayer, DecoderStack, Rope, require
 from hybridkv.engine.models.llama import GatedMLP, LlamaAttention, qk_norm_decode_parts
-from hybridkv.engine.models.norms import rms_norm_heads
+from hybridkv.engine.models.norms import RMSNorm, rms_norm_heads
 from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half
 from hybridkv.errors import InvalidConfigError
 

@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 from hybridkv.engine.attention import AttentionType
-from hybridkv.engine.models.base import CausalLM, DecoderLayer, DecoderStack, RMSNorm, require
+from hybridkv.engine.models.base import CausalLM
+from hybridkv.engine.models.decoder import DecoderLayer, DecoderStack, require
+from hybridkv.engine.models.norms import RMSNorm
 from hybridkv.engine.models.llama import LlamaAttention
 from hybridkv.engine.models.rope import RotaryEmbedding, rope_parameters
 

@@ -18,16 +18,9 @@ from torch import nn
 
 from hybridkv.engine import cpu_ops
 from hybridkv.engine.attention import AttentionMetadata, AttentionType, paged_attention
-from hybridkv.engine.models.base import (
-    CausalLM,
-    DecoderLayer,
-    DecoderStack,
-    RMSNorm,
-    Rope,
-    activation,
-    activation_kernel,
-    require,
-)
+from hybridkv.engine.models.base import CausalLM
+from hybridkv.engine.models.decoder import DecoderLayer, DecoderStack, Rope, activation, activation_kernel, require
+from hybridkv.engine.models.norms import RMSNorm
 from hybridkv.engine.models.linear import Linear, PackedWeight, fuse_linears, linear
 from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half, rope_parameters
 

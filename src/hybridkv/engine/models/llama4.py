@@ -28,7 +28,9 @@ import torch
 from torch import nn
 
 from hybridkv.engine.attention import AttentionMetadata
-from hybridkv.engine.models.base import CausalLM, DecoderLayer, DecoderStack, RMSNorm, Rope, activation, require
+from hybridkv.engine.models.base import CausalLM
+from hybridkv.engine.models.decoder import DecoderLayer, DecoderStack, Rope, activation, require
+from hybridkv.engine.models.norms import RMSNorm
 from hybridkv.engine.models.llama import GatedMLP, LlamaAttention
 from hybridkv.engine.models.rope import RotaryEmbedding, apply_interleaved, rope_parameters
 from hybridkv.errors import InvalidConfigError

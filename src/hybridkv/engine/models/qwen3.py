@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from hybridkv.engine.attention import AttentionMetadata
-from hybridkv.engine.models.base import RMSNorm, Rope
+from hybridkv.engine.models.decoder import Rope
 from hybridkv.engine.models.llama import LlamaAttention, LlamaForCausalLM, qk_norm_decode_parts
-from hybridkv.engine.models.norms import rms_norm_heads
+from hybridkv.engine.models.norms import RMSNorm, rms_norm_heads
 from hybridkv.engine.models.rope import apply_rotate_half
 
 __all__ = ["Qwen3ForCausalLM"]

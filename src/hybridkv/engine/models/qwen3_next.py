@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 from hybridkv.engine.attention import FULL, AttentionMetadata, paged_attention
-from hybridkv.engine.models.base import CausalLM, DecoderStack, RMSNorm, Rope, require
+from hybridkv.engine.models.base import CausalLM
+from hybridkv.engine.models.decoder import DecoderStack, Rope, require
+from hybridkv.engine.models.norms import RMSNorm
 from hybridkv.engine.models.gated_deltanet import GatedDeltaNet, StateMetadata, StateShape
 from hybridkv.engine.state import StepStates
 from hybridkv.engine.models.linear import Linear, PackedWeight, fuse_linears, linear
