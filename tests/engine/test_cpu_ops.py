@@ -232,3 +232,35 @@ def test_a_quantized_engine_gives_the_reference_backends_tokens(tiny_models):
             for r in ref:
                 rel = ((ref[r] - got[r]).norm() / ref[r].norm()).item()
                 assert rel < 1e-4, (arch, r, rel)
+
+
+def test_a_build_prunes_modules_no_load_used_lately_and_old_leftovers(tmp_path):
+    day = 86_400
+    now = 1_000 * day
+    suffix = ".cpython-311-x86_64-linux-gnu.so"
+
+    def made(name: str, age_days: float):
+        p = tmp_path / name
+        p.write_bytes(b"x")
+        os.utime(p, (now - age_days * day, now - age_days * day))
+        return p
+
+    keep = made(f"{cpu_ops.MODULE}-aaaa{suffix}", 400)  # the one just built / loaded: never removed
+    recent = made(f"{cpu_ops.MODULE}-bbbb{suffix}", cpu_ops.PRUNE_AFTER_DAYS - 1)  # another venv's, in use
+    old = made(f"{cpu_ops.MODULE}-cccc{suffix}", cpu_ops.PRUNE_AFTER_DAYS + 1)
+    fresh_tmp = made(f"{cpu_ops.MODULE}-dddd{suffix}.tmp-123", 0.5)  # a build in progress
+    old_tmp = made(f"{cpu_ops.MODULE}-eeee{suffix}.tmp-456", 2)
+    other = made("unrelated.so", 999)
+    removed = cpu_ops._prune(tmp_path, keep, now=now)
+    assert sorted(removed) == sorted([old, old_tmp])
+    assert all(p.exists() for p in (keep, recent, fresh_tmp, other)) and not old.exists() and not old_tmp.exists()
+    assert cpu_ops._prune(tmp_path / "missing", keep, now=now) == []
+
+
+def test_loading_marks_the_module_used(tmp_path):
+    """A cached build is found, not rebuilt, and its time is renewed so that pruning keeps it."""
+    cc = cpu_ops._compiler()
+    path = cpu_ops._build(tmp_path, cc)
+    os.utime(path, (1.0, 1.0))
+    assert cpu_ops._build(tmp_path, cc) == path and path.stat().st_mtime > 1_000_000
+    assert list(tmp_path.iterdir()) == [path]

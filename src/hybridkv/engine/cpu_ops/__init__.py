@@ -21,7 +21,9 @@ Kernels in plain C replace them (fp32):
 The sources are compiled once per machine, compiler and source (``gcc -O3 -march=native
 -fopenmp-simd``, a few seconds) into ``<cache>/cpu_ops/`` (the tensor cache's folder,
 :func:`~hybridkv.engine.models.tensor_cache.cache_dir`; a temporary folder when that is off)
-and loaded as an extension module. Where it cannot be built (no compiler, no Python headers)
+and loaded as an extension module; each load marks its file used, and a build removes the
+modules there no load has used for :data:`PRUNE_AFTER_DAYS` days (older sources, other
+compilers) and build leftovers. Where it cannot be built (no compiler, no Python headers)
 :func:`load` returns None, :func:`unavailable` says why, and the engine keeps its torch path;
 ``HYBRIDKV_CPU_OPS=off`` turns them off, ``HYBRIDKV_CPU_OPS=generic`` builds them without
 intrinsics (what a CPU without AVX-512 runs). The kernels' results differ from torch's by
@@ -41,6 +43,7 @@ import subprocess
 import sysconfig
 import tempfile
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -88,8 +91,31 @@ def _mode() -> str:
     return os.environ.get("HYBRIDKV_CPU_OPS", "").strip().lower()
 
 
+#: a build removes the compiled modules beside it that no load has used for this long
+PRUNE_AFTER_DAYS = 30
+
+
+def _prune(folder: Path, keep: Path, now: float | None = None) -> list[Path]:
+    """Remove the modules in ``folder`` other than ``keep`` unused for :data:`PRUNE_AFTER_DAYS`
+    days, and build leftovers (``*.tmp-PID``) over a day old; what it removed. A process that
+    still runs one keeps its mapping (Linux frees the file when it unmaps it); failures are
+    ignored (another process pruning, a read-only folder)."""
+    now = time.time() if now is None else now
+    removed = []
+    for p in folder.glob(f"{MODULE}-*"):
+        try:
+            age = now - p.stat().st_mtime
+            stale = ".tmp-" in p.name and age > 86_400 or age > PRUNE_AFTER_DAYS * 86_400
+            if p != keep and stale:
+                p.unlink()
+                removed.append(p)
+        except OSError:
+            pass
+    return removed
+
+
 def _build(folder: Path, cc: str) -> Path:
-    """The compiled module's path under ``folder`` (built there when missing)."""
+    """The compiled module's path under ``folder`` (built there when missing; marked used)."""
     include = sysconfig.get_paths()["include"]
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -98,6 +124,10 @@ def _build(folder: Path, cc: str) -> Path:
                          + include.encode() + _cpu_flags().encode())
     path = folder / f"{MODULE}-{key.hexdigest()[:16]}{suffix}"
     if path.exists():
+        try:
+            os.utime(path)  # used now: :func:`_prune` keeps it
+        except OSError:
+            pass
         return path
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f"{path.name}.tmp-{os.getpid()}"
@@ -107,6 +137,7 @@ def _build(folder: Path, cc: str) -> Path:
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"{cc} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
     os.replace(tmp, path)  # another process may have built it meanwhile: same bytes
+    _prune(folder, path)
     return path
 
 
