@@ -75,14 +75,6 @@ class SimRun:
     requests: dict = field(default_factory=dict)  # (conv, turn) -> (replica, predicted, obtained, prompt tokens)
 
 
-_LOOP = asyncio.new_event_loop()
-
-
-def _drive(coro):
-    """A policy's ``choose`` (a coroutine) run to its end: the decision takes no simulated time."""
-    return _LOOP.run_until_complete(coro)
-
-
 class SimReplica:
     def __init__(self, name: str, llm_factory) -> None:
         self.llm = llm_factory()
@@ -133,7 +125,7 @@ def simulate(policy_name: str, seed: int, work, ids_of, make_llm, replicas: int,
             before = [(v.score(ids), v.score_full_only(ids), r.kv.peek_prefix_hit(ids), v.in_flight,
                        round(policy.shares.share(v.name), 2) if getattr(policy, "shares", None) else None)
                       for v, r in zip(views, reps)]
-        view, hit = _drive(policy.choose(ids, views))
+        view, hit = loop.run_until_complete(policy.choose(ids, views))  # the decision takes no simulated time
         i = views.index(view)
         if explain and conv in home and home[conv] != i:
             print(f"    t={t:7.3f} conv {conv} turn {turn} ({len(ids)} tokens) moved r{home[conv]} -> r{i}: "
@@ -173,31 +165,35 @@ def simulate(policy_name: str, seed: int, work, ids_of, make_llm, replicas: int,
 
     for c in range(len(work.schedules)):
         at(0.0, "send", c)
-    while heap:
-        t, _, kind, data = heapq.heappop(heap)
-        if kind == "send":
-            send(t, data[0])
-        elif kind == "arrive":
-            rid = data[0]
-            client, conv, sent, hit, i, ids, turn = pending[rid]
-            r = reps[i]
-            r.sched.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-            start_step(t, r)
-        elif kind == "release":
-            data[0].router_view.in_flight -= 1
-        elif kind == "events":
-            data[0].router_view.on_events(data[1])
-        else:  # step_done
-            r, finished, sampled = data
-            r.busy = False
-            for rid in sampled:
-                if rid not in first_token:
-                    first_token[rid] = t
-                    run.ttft.append(t - pending[rid][2])
-            for rid in finished:
-                at(t + timing.release_ms * 1e-3 * rng.random(), "release", r)
-                at(t + timing.release_ms * 1e-3 * rng.random(), "send", pending[rid][0])
-            start_step(t, r)
+    loop = asyncio.new_event_loop()  # runs the policies' coroutines (the oracle gathers)
+    try:
+        while heap:
+            t, _, kind, data = heapq.heappop(heap)
+            if kind == "send":
+                send(t, data[0])
+            elif kind == "arrive":
+                rid = data[0]
+                client, conv, sent, hit, i, ids, turn = pending[rid]
+                r = reps[i]
+                r.sched.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                start_step(t, r)
+            elif kind == "release":
+                data[0].router_view.in_flight -= 1
+            elif kind == "events":
+                data[0].router_view.on_events(data[1])
+            else:  # step_done
+                r, finished, sampled = data
+                r.busy = False
+                for rid in sampled:
+                    if rid not in first_token:
+                        first_token[rid] = t
+                        run.ttft.append(t - pending[rid][2])
+                for rid in finished:
+                    at(t + timing.release_ms * 1e-3 * rng.random(), "release", r)
+                    at(t + timing.release_ms * 1e-3 * rng.random(), "send", pending[rid][0])
+                start_step(t, r)
+    finally:
+        loop.close()
     for r in reps:  # every request served, every block back in the free queue, the books consistent
         r.sched.check_invariants()
         if r.sched.has_unfinished_requests() or r.kv.num_free_blocks != usable_blocks(r.kv.kv_cache_config.num_blocks):
