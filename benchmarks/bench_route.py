@@ -74,7 +74,7 @@ passed over for hits (0: no rule, as before issue 23).
 
 ``--max-imbalance`` (default ``route``'s, 8): a hit may put at most this many more in-flight
 requests on a replica than on the least loaded. With 6 clients over 3 replicas (2 each on
-average) 8 never binds here: the share rule keeps the balance. Issue 23's runs used 2 (the
+average) 8 practically never binds here: the share rule keeps the balance. Issue 23's runs used 2 (the
 default before the share rule existed, when larger values piled the chats of one system
 prompt onto one replica): with 6 clients the in-flight counts swing by 2 within a few
 steps, so that rule moved established chats away from their cache (``sim_route.py
@@ -82,7 +82,7 @@ steps, so that rule moved established chats away from their cache (``sim_route.p
 only.
 
 Default: the tiny random Gemma 3 of the tests (4 sliding-window-12 layers + 2 full, 128-id
-character tokenizer; built in a temp dir), block 4, 3 replicas of 192 blocks, 6 clients x 4
+character tokenizer; built in a temp dir), block 4, 3 replicas of 256 blocks, 6 clients x 4
 open chats, 48 chats of 5 turns, 2 rounds (a few minutes on 2 cores). ``--quick``: 24 chats
 of 4 turns, 1 round, 5 policies (about a minute). ``--model DIR_OR_NAME`` serves a real
 model (gemma-3-270m works, but 3 replicas take ~5 GB RAM each; give ``--num-blocks`` and

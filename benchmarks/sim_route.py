@@ -7,18 +7,22 @@
 Each replica is the core's KV cache manager and scheduler (the tiny test Gemma 3's layout:
 sliding window 12 and full groups, block 4) stepping a fake runner; the router is the real
 one's pieces: a :class:`~hybridkv.router.replica.Replica` per replica whose index applies
-the replica's KV events (as wire structs, at the end of each step plus ``--event-delay``),
+the replica's KV events (as wire structs, at the end of each step plus ``--event-delay-ms``),
 and :func:`~hybridkv.router.policy.make_policy`'s policies (the oracle asks the manager at
 the decision). Time is an event queue: a step lasts ``--step-ms`` plus ``--token-us`` per
 token it computes, times a uniform jitter of +-``--jitter``; a request reaches its replica
-``--transit-ms`` after the decision and waits for its next step; a client sends its next
-turn when the last one finishes. So it answers, in seconds and the same every time for one
+``--transit-ms`` (the same jitter) after the decision and waits for its next step; a client
+sends its next turn when the last one finishes, racing the router's release of it
+(``--release-ms``). So it answers, in seconds and the same every time for one
 seed, what ``bench_route``'s live runs answer in minutes with +-1 % of noise between rounds:
 which hits a policy obtains on this workload, and whether a rule helps across seeds (the
 seed moves the step times, hence the order in which requests meet).
 
 What it leaves out: the live transit's variance (a 2-core machine shared by 3 replicas, the
-router and the clients), the model's real step times, HTTP. Take its verdicts to the live
+router and the clients), the model's real step times, HTTP; a step's blocks are cached and
+freed when it starts, and the oracle asks the managers at once (live, its peek waits for a
+replica step, which is what it loses there): compare its hybrid / oracle ratios with each
+other, not with the live ones. Take its verdicts to the live
 benchmark; it is where to look first, not the last word.
 """
 
@@ -39,6 +43,7 @@ import _paths  # noqa: F401,I001  (this checkout's src and tests.support importa
 from bench_route import make_workload
 from tests.support.tiny_server import make_tiny_dir
 
+from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.core.usage import usable_blocks
 from hybridkv.protocol.kv_events import to_wire
 from hybridkv.router.balance import DEFAULT_MAX_SHARE_RATIO, DEFAULT_SHARE_WINDOW, Balance
@@ -46,6 +51,7 @@ from hybridkv.router.policy import DEFAULT_MAX_IMBALANCE, make_policy
 from hybridkv.router.replica import Replica, ReplicaSpec
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.fake_runner import FakeRunner
+from hybridkv.scheduler.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -76,20 +82,23 @@ class SimRun:
 
 
 class SimReplica:
-    def __init__(self, name: str, llm_factory) -> None:
-        self.llm = llm_factory()
-        self.kv = self.llm.engine.kv
-        self.sched = self.llm.engine.scheduler
+    """A fresh KV cache manager and scheduler (as ``serve`` builds them from ``engine``'s
+    layout and config) and the router's view of them."""
+
+    def __init__(self, name: str, engine) -> None:
+        cfg, max_len = engine.config, engine.max_model_len
+        self.kv = KVCacheManager(engine.kv_cache_config, cfg.cache_manager_config(max_len))
+        self.sched = Scheduler(self.kv, cfg.scheduler_config(max_len))
         self.runner = FakeRunner()
         self.router_view = Replica(name, ReplicaSpec("http://127.0.0.1:1"))
         self.busy = False
 
 
-def simulate(policy_name: str, seed: int, work, ids_of, make_llm, replicas: int, max_tokens: int,
+def simulate(policy_name: str, seed: int, work, ids_of, engine, replicas: int, max_tokens: int,
              max_imbalance: int, balance: Balance | None, timing: Timing, explain: bool = False) -> SimRun:
     """One policy over ``work`` on fresh replicas, timing seed ``seed``."""
     rng = random.Random(seed)
-    reps = [SimReplica(f"r{i}", make_llm) for i in range(replicas)]
+    reps = [SimReplica(f"r{i}", engine) for i in range(replicas)]
     views = [r.router_view for r in reps]
     by_view = {id(r.router_view): r for r in reps}
 
@@ -108,7 +117,7 @@ def simulate(policy_name: str, seed: int, work, ids_of, make_llm, replicas: int,
         return 1.0 + rng.uniform(-timing.jitter, timing.jitter)
 
     pos = [0] * len(work.schedules)
-    pending: dict[str, tuple] = {}  # request id -> (client, conv, sent, predicted, replica index)
+    pending: dict[str, tuple] = {}  # request id -> (client, conv, sent, predicted, replica index, ids, turn)
     home: dict[int, int] = {}
     admitted: set[str] = set()
     first_token: dict[str, float] = {}
@@ -241,11 +250,10 @@ def sweep(setup: SimSetup, num_blocks: list[int], seeds: int, policies: list[str
                 cache[key] = list(encode_prompt(tokenizer, messages, 0))
             return cache[key]
 
-        for nb in num_blocks:
-            def make_llm(nb=nb):
-                return LLM(model_dir, engine_config(num_blocks=nb, max_model_len=setup.max_model_len,
-                                                    enable_kv_events=True, queued_prefix="refresh"))
-            out[nb] = {p: [simulate(p, seed, work, ids_of, make_llm, setup.replicas, setup.max_tokens,
+        for nb in num_blocks:  # one model load per pool size: its layout; each run builds fresh managers
+            engine = LLM(model_dir, engine_config(num_blocks=nb, max_model_len=setup.max_model_len,
+                                                  enable_kv_events=True, queued_prefix="refresh")).engine
+            out[nb] = {p: [simulate(p, seed, work, ids_of, engine, setup.replicas, setup.max_tokens,
                                     setup.max_imbalance, setup.balance, setup.timing, explain=explain == p)
                            for seed in range(seeds)] for p in policies}
     return out

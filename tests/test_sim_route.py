@@ -45,10 +45,11 @@ def test_the_index_policies_predict_what_the_replica_gives(small_sweep):
     for run in tight["hybrid"] + tight["oracle"]:
         assert run.false <= 0.1 * max(run.predicted, 1)
     assert sum(r.false for r in tight["full-only"]) > sum(r.false for r in tight["hybrid"])
-    for run in tight["least-loaded"]:
-        assert run.predicted == 0
     roomy = small_sweep[768]
     assert min(r.obtained for r in roomy["hybrid"]) > max(r.obtained for r in tight["hybrid"])
+    # least-loaded ignores the caches: it moves chats and obtains less, even with room to spare
+    assert sum(r.moves for r in roomy["least-loaded"]) > sum(r.moves for r in roomy["hybrid"])
+    assert max(r.obtained for r in roomy["least-loaded"]) < min(r.obtained for r in roomy["hybrid"])
 
 
 def test_no_jitter_and_no_races_make_the_seed_irrelevant():

@@ -264,3 +264,19 @@ def test_loading_marks_the_module_used(tmp_path):
     os.utime(path, (1.0, 1.0))
     assert cpu_ops._build(tmp_path, cc) == path and path.stat().st_mtime > 1_000_000
     assert list(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.slow
+def test_a_module_pruned_between_the_check_and_the_load_is_built_again(tmp_path):
+    code = (
+        "from hybridkv.engine import cpu_ops\n"
+        "real, calls = cpu_ops._import, []\n"
+        "def flaky(path):\n"
+        "    calls.append(path)\n"
+        "    if len(calls) == 1:\n"
+        "        path.unlink(); raise ImportError('gone')  # another process's build pruned it\n"
+        "    return real(path)\n"
+        "cpu_ops._import = flaky\n"
+        "print(cpu_ops.load() is not None, len(calls), calls[-1].exists(), cpu_ops.unavailable())\n"
+    )
+    assert _run(code, HYBRIDKV_CACHE_DIR=str(tmp_path)) == "True 2 True None"

@@ -105,7 +105,7 @@ def _prune(folder: Path, keep: Path, now: float | None = None) -> list[Path]:
     for p in folder.glob(f"{MODULE}-*"):
         try:
             age = now - p.stat().st_mtime
-            stale = ".tmp-" in p.name and age > 86_400 or age > PRUNE_AFTER_DAYS * 86_400
+            stale = (".tmp-" in p.name and age > 86_400) or age > PRUNE_AFTER_DAYS * 86_400
             if p != keep and stale:
                 p.unlink()
                 removed.append(p)
@@ -123,14 +123,15 @@ def _build(folder: Path, cc: str) -> Path:
     key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(flags).encode() + version.encode()
                          + include.encode() + _cpu_flags().encode())
     path = folder / f"{MODULE}-{key.hexdigest()[:16]}{suffix}"
-    if path.exists():
-        try:
-            os.utime(path)  # used now: :func:`_prune` keeps it
-        except OSError:
-            pass
+    try:
+        os.utime(path)  # used now: :func:`_prune` keeps it
+        return path
+    except FileNotFoundError:  # not built yet (or pruned a moment ago)
+        pass
+    except OSError:  # there, in a folder we may not write
         return path
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f"{path.name}.tmp-{os.getpid()}"
+    tmp = folder / f"{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"  # unique on a shared folder too
     cmd = [cc, *flags, f"-I{include}", *(str(p) for p in SOURCES if p.suffix == ".c"), "-o", str(tmp), "-lm"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
@@ -139,6 +140,14 @@ def _build(folder: Path, cc: str) -> Path:
     os.replace(tmp, path)  # another process may have built it meanwhile: same bytes
     _prune(folder, path)
     return path
+
+
+def _import(path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
 def _load_uncached() -> ModuleType:
@@ -156,14 +165,17 @@ def _load_uncached() -> ModuleType:
 
     base = cache_dir()
     folder = base / "cpu_ops" if base is not None else Path(tempfile.mkdtemp(prefix="hybridkv-cpu-ops-"))
-    try:
-        path = _build(folder, cc)
-    except OSError:  # a read-only cache folder: build in a temporary one
-        path = _build(Path(tempfile.mkdtemp(prefix="hybridkv-cpu-ops-")), cc)
-    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
-    spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
+    for attempt in range(2):  # another process's build may prune an old module between our check and load
+        try:
+            path = _build(folder, cc)
+        except OSError:  # a read-only cache folder: build in a temporary one
+            path = _build(Path(tempfile.mkdtemp(prefix="hybridkv-cpu-ops-")), cc)
+        try:
+            module = _import(path)
+            break
+        except (ImportError, OSError):
+            if attempt or path.exists():
+                raise
     module.set_threads(1)  # the kernels' threads while torch holds the cores (hold_cores)
     return module
 

@@ -1,4 +1,4 @@
-"""What every model family shares: config access, loading, the decoder loop, specs.
+"""What every model family shares: loading, the decoder loop, specs.
 
 A model is an ``nn.Module`` whose parameter names are the HF checkpoint names
 (``model.layers.3.self_attn.q_proj.weight``), so weights load by name. ``forward``
@@ -43,6 +43,7 @@ from hybridkv.planner.architectures import ModelLayers, family_named, language_m
 from hybridkv.planner.hf_defaults import DEFAULT_MAX_POSITION_EMBEDDINGS
 
 __all__ = ["CausalLM"]
+
 
 def _ignoring(prefixes: tuple[str, ...], rename: Callable[[str], str | None] | None) -> Callable[[str], str | None]:
     """``rename`` (or the identity) that also drops the names starting with ``prefixes``."""

@@ -1,4 +1,5 @@
-"""The decoder layer every family shares and the helpers its parts use.
+"""The decoder layer every family shares, and the helpers its parts use (a required config
+field, the activations by HF's names).
 
 Every family's decoder layer is a :class:`DecoderLayer` (HF's pre-norm block, the row
 selection of the last layer, the residual adds); a family changes only its attention, its
