@@ -74,9 +74,9 @@ passed over for hits (0: no rule, as before issue 23).
 
 ``--max-imbalance`` (default ``route``'s, 8): a hit may put at most this many more in-flight
 requests on a replica than on the least loaded. With 6 clients over 3 replicas (2 each on
-average) 8 practically never binds here: the share rule keeps the balance. Issue 23's runs used 2 (the
-default before the share rule existed, when larger values piled the chats of one system
-prompt onto one replica): with 6 clients the in-flight counts swing by 2 within a few
+average) 8 practically never binds here: the share rule keeps the balance. Issue 23's runs
+used 2 (the default before the share rule existed, when larger values piled the chats of
+one system prompt onto one replica): with 6 clients the in-flight counts swing by 2 within a few
 steps, so that rule moved established chats away from their cache (``sim_route.py
 --explain-moves hybrid`` shows each such move); 0 is least-loaded with hits as tie-break
 only.

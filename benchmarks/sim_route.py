@@ -71,14 +71,27 @@ class Timing:
 class SimRun:
     policy: str
     seed: int
-    obtained: int = 0
-    predicted: int = 0
-    false: int = 0
-    prompt: int = 0
     moves: int = 0
     ttft: list[float] = field(default_factory=list)
     per_replica: list[int] = field(default_factory=list)
     requests: dict = field(default_factory=dict)  # (conv, turn) -> (replica, predicted, obtained, prompt tokens)
+
+    @property
+    def predicted(self) -> int:
+        return sum(v[1] for v in self.requests.values())
+
+    @property
+    def obtained(self) -> int:
+        return sum(v[2] for v in self.requests.values())
+
+    @property
+    def false(self) -> int:
+        """Predicted hit tokens not obtained (false residency)."""
+        return sum(max(0, v[1] - v[2]) for v in self.requests.values())
+
+    @property
+    def prompt(self) -> int:
+        return sum(v[3] for v in self.requests.values())
 
 
 class SimReplica:
@@ -136,14 +149,14 @@ def simulate(policy_name: str, seed: int, work, ids_of, engine, replicas: int, m
                       for v, r in zip(views, reps)]
         view, hit = loop.run_until_complete(policy.choose(ids, views))  # the decision takes no simulated time
         i = views.index(view)
-        if explain and conv in home and home[conv] != i:
+        moved = home.get(conv, i) != i
+        if explain and moved:
             print(f"    t={t:7.3f} conv {conv} turn {turn} ({len(ids)} tokens) moved r{home[conv]} -> r{i}: "
                   f"(hybrid, full-only, peek, in flight, share) {before}")
         view.in_flight += 1
         rid = f"q{next(rid_counter)}"
         pending[rid] = (client, conv, t, hit, i, ids, turn)
-        if conv in home and home[conv] != i:
-            run.moves += 1
+        run.moves += moved
         home[conv] = i
         run.per_replica[i] += 1
         at(t + timing.transit_ms * 1e-3 * jit(), "arrive", rid)
@@ -160,10 +173,6 @@ def simulate(policy_name: str, seed: int, work, ids_of, engine, replicas: int, m
                 admitted.add(sr.request_id)
                 client, conv, sent, hit, i, ids, turn = pending[sr.request_id]
                 run.requests[conv, turn] = (i, hit, sr.num_computed_tokens, len(ids))
-                run.obtained += sr.num_computed_tokens
-                run.predicted += hit
-                run.false += max(0, hit - sr.num_computed_tokens)
-                run.prompt += len(ids)
         dur = (timing.step_ms + timing.token_us * 1e-3 * tokens) * 1e-3 * jit()
         r.busy = True
         events = [to_wire(e) for e in r.kv.take_events()]

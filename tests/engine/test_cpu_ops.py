@@ -280,3 +280,30 @@ def test_a_module_pruned_between_the_check_and_the_load_is_built_again(tmp_path)
         "print(cpu_ops.load() is not None, len(calls), calls[-1].exists(), cpu_ops.unavailable())\n"
     )
     assert _run(code, HYBRIDKV_CACHE_DIR=str(tmp_path)) == "True 2 True None"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_prune_removes_exactly_the_stale_modules_and_leftovers(tmp_path, seed):
+    """Random names and ages around both limits: removed == (a module of ours, not the kept one,
+    older than its limit); everything else stays."""
+    import random
+
+    rng = random.Random(seed)
+    day, now = 86_400, 5_000 * 86_400
+    limit = cpu_ops.PRUNE_AFTER_DAYS
+    expected, files = set(), []
+    for i in range(rng.randint(1, 12)):
+        tmp = rng.random() < 0.4
+        ours = rng.random() < 0.85
+        name = (f"{cpu_ops.MODULE}-{i:04x}.so" if ours else f"other-{i}.so") + (f".tmp-{i}" if tmp else "")
+        age = rng.choice([0.0, 0.9, 1.1, limit - 0.1, limit + 0.1, 2 * limit]) * day
+        p = tmp_path / name
+        p.write_bytes(b"x")
+        os.utime(p, (now - age, now - age))
+        files.append(p)
+        if ours and (age > (day if tmp else limit * day)):
+            expected.add(p)
+    keep = rng.choice(files)
+    expected.discard(keep)
+    assert set(cpu_ops._prune(tmp_path, keep, now=now)) == expected
+    assert {p for p in files if p.exists()} == set(files) - expected

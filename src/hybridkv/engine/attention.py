@@ -226,6 +226,10 @@ class AttentionMetadata:
             value = self._memo[key] = make()
             return value
 
+    def is_decode(self) -> bool:
+        """Every sequence has one query token this step (a decode step)."""
+        return self.memo("is_decode", lambda: max(self.query_lens) == 1)
+
     def output_rows(self) -> torch.Tensor | None:
         """[N] flat index of the last token of each of ``output_seqs``; None: all T rows, in order."""
 

@@ -54,7 +54,7 @@ def cpu_paged_attention(
         and storage.dtype == torch.float32
         and query.dtype == torch.float32
         and key.dtype == torch.float32
-        and meta.memo("cpu_decode_step", lambda: max(meta.query_lens) == 1)
+        and meta.is_decode()
         and query.stride(-1) == 1
         and key.stride(-1) == 1
         and value.stride(-1) == 1

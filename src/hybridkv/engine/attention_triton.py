@@ -61,7 +61,7 @@ def triton_paged_attention(query, key, value, meta, layer: int, attn, scale: flo
     prefix = meta.memo(("cascade", group, attn), lambda: _cascade_prefix(meta, group, attn, query.shape[1], cache))
     if prefix:
         return _cascade(query, cache, table, meta, attn, scale, sinks, softcap, prefix, rep, keep is not None)
-    if keep is None and max(meta.query_lens) == 1:  # a decode step
+    if keep is None and meta.is_decode():
         splits = meta.memo(
             ("triton_splits", attn),
             lambda: decode_splits(meta.num_seqs, cache.shape[1], _max_keys(meta, attn.kind, attn.size),

@@ -53,7 +53,6 @@ __all__ = ["decode_attention", "gated_act", "hold_cores", "load", "q4_linear", "
            "rope_rotate_half", "unavailable"]
 
 HERE = Path(__file__).parent
-SOURCE = HERE / "cpu_ops.c"
 #: compiled together into one module (the header first: it is part of the build's key)
 SOURCES = tuple(HERE / name for name in ("cpu_ops.h", "cpu_ops.c", "rowops.c", "attention.c", "qmatmul.c", "pool.c",
                                           "decode_stack.c", "qmatmul.h", "qmatmul_bf16.c"))

@@ -294,7 +294,7 @@ class CausalLM(nn.Module):
         quantized = self.quantization is not None and self.cpu_kernels
         # the C kernels hold the cores in a quantized model's decode steps, torch in everything else
         # (another model's steps in this process included; cpu_ops.hold_cores, a no-op when they are held)
-        cpu_ops.hold_cores(quantized and meta.memo("cpu_decode_step", lambda: max(meta.query_lens) == 1))
+        cpu_ops.hold_cores(quantized and meta.is_decode())
         hidden = self.embed(input_ids)
         rope = {name: r.tables(positions, hidden.dtype) for name, r in self.rotaries.items()}  # once per step
         fused = self.fused_decode

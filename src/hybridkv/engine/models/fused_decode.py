@@ -27,6 +27,9 @@ import torch
 
 from hybridkv.engine import cpu_ops
 from hybridkv.engine.attention import AttentionMetadata, AttentionType
+from hybridkv.engine.attention_cpu import decode_positions
+from hybridkv.engine.models.decoder import DecoderLayer
+from hybridkv.engine.models.norms import RMSNorm
 
 __all__ = ["FusedDecode", "describe_layer"]
 
@@ -39,9 +42,6 @@ def describe_layer(layer, ln2, post_attn, post_ff) -> dict[str, Any] | None:
     MLP's ``decode_parts()``, ``input_layernorm``, then ``ln2`` before the MLP, ``post_attn`` /
     ``post_ff`` on the branches' outputs (Gemma 3's sandwich norms; None: none); every norm an
     RMSNorm of one eps, and ``layer.forward`` :class:`~hybridkv.engine.models.decoder.DecoderLayer`'s."""
-    from hybridkv.engine.models.decoder import DecoderLayer
-    from hybridkv.engine.models.norms import RMSNorm
-
     if type(layer).forward is not DecoderLayer.forward:
         return None
     parts = [getattr(m, "decode_parts", None) for m in (layer.self_attn, layer.ffn)]
@@ -114,14 +114,12 @@ class FusedDecode:
             and storage.dtype == torch.float32
             and not storage.debug
             and meta.output_rows() is None
-            and meta.memo("cpu_decode_step", lambda: max(meta.query_lens) == 1)
+            and meta.is_decode()
             and all(t.dtype == torch.int64 and t.stride(1) == 1 for t in meta.block_tables)
         )
 
     def run(self, hidden: torch.Tensor, rope: dict[str, Any], meta: AttentionMetadata) -> torch.Tensor:
         """hidden [S, hidden] fp32 (one row per sequence) -> the last layer's output, in place."""
-        from hybridkv.engine.attention_cpu import decode_positions
-
         storage = meta.storage
         plan = self._layer_plan(storage)
         fields = [hidden.shape[0], storage.block_size, len(self.ropes), len(self.attns), len(meta.block_tables)]

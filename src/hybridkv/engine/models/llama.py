@@ -20,8 +20,8 @@ from hybridkv.engine import cpu_ops
 from hybridkv.engine.attention import AttentionMetadata, AttentionType, paged_attention
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.models.decoder import DecoderLayer, DecoderStack, Rope, activation, activation_kernel, require
-from hybridkv.engine.models.norms import RMSNorm
 from hybridkv.engine.models.linear import Linear, PackedWeight, fuse_linears, linear
+from hybridkv.engine.models.norms import RMSNorm, stacked_scales
 from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half, rope_parameters
 
 __all__ = ["GatedMLP", "LlamaAttention", "LlamaForCausalLM"]
@@ -192,8 +192,7 @@ def qk_norm_decode_parts(attn: LlamaAttention, cls: type) -> dict[str, Any] | No
     Qwen3); None when a subclass changed ``qkv``."""
     if type(attn).qkv is not cls.qkv or attn.q_norm.eps != attn.k_norm.eps:
         return None
-    scale = torch.cat([attn.q_norm.scale().expand(attn.num_heads, -1),
-                       attn.k_norm.scale().expand(attn.num_kv_heads, -1)]).contiguous()  # [Hq + Hkv, D] fp32
+    scale = stacked_scales(((attn.q_norm, attn.num_heads), (attn.k_norm, attn.num_kv_heads)))  # [Hq + Hkv, D] fp32
     return LlamaAttention.decode_parts(attn, (scale, attn.q_norm.eps))
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from hybridkv.engine import cpu_ops
 
-__all__ = ["RMSNorm", "rms_norm_heads"]
+__all__ = ["RMSNorm", "rms_norm_heads", "stacked_scales"]
 
 
 class RMSNorm(nn.Module):
@@ -62,6 +62,14 @@ class RMSNorm(nn.Module):
         return self.weight * nn.functional.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
 
 
+def stacked_scales(norms: Sequence[tuple[RMSNorm, int]], fp32: bool = True) -> torch.Tensor:
+    """[sum n_i, D]: the multiplier of ``norms[i] = (norm_i, n_i)`` repeated for its ``n_i`` heads
+    (fp32 :meth:`RMSNorm.scale`, or the raw weights where ``fp32`` is False): what
+    :func:`rms_norm_heads` multiplies by, and the fused decode step's q/k norms."""
+    with torch.no_grad():
+        return torch.cat([(n.scale() if fp32 else n.weight.detach()).expand(c, -1) for n, c in norms]).contiguous()
+
+
 def rms_norm_heads(x: torch.Tensor, norms: Sequence[tuple[RMSNorm, int]], cache: dict) -> torch.Tensor:
     """x [T, H, D] normalized per head: the first ``n_0`` heads by ``norms[0] = (norm_0, n_0)``,
     the next ``n_1`` by ``norm_1``, ... (``sum n_i = H``), as each norm alone would, bit for bit.
@@ -77,9 +85,7 @@ def rms_norm_heads(x: torch.Tensor, norms: Sequence[tuple[RMSNorm, int]], cache:
     in_fp32 = x.dtype == torch.float32 or first.unit_offset
     key = (tuple((n.weight_key(), c) for n, c in norms), in_fp32, x.dtype)
     if cache.get("key") != key:
-        with torch.no_grad():
-            parts = [(n.scale() if in_fp32 else n.weight.detach()).expand(c, -1) for n, c in norms]
-            cache["scale"] = torch.cat(parts).contiguous()  # [H, D]
+        cache["scale"] = stacked_scales(norms, in_fp32)  # [H, D]
         cache["key"] = key
     scale = cache["scale"]
     shape = (x.shape[-1],)
