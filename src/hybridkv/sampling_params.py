@@ -12,7 +12,11 @@ from typing import Any, Sequence
 
 from hybridkv.errors import InvalidArgumentError, PromptTooLongError
 
-__all__ = ["SamplingParams", "check_context"]
+__all__ = ["GREEDY_BELOW", "SamplingParams", "check_context"]
+
+#: a temperature below this samples greedily (vLLM's ``_SAMPLING_EPS``): dividing logits by
+#: less would only re-rank ties by rounding, and 1e-300 would overflow fp32
+GREEDY_BELOW = 1e-5
 
 
 def _real(x: Any) -> bool:
@@ -45,7 +49,8 @@ def check_context(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick the next token, and when to stop. temperature 0 is greedy (argmax).
+    """How to pick the next token, and when to stop. A temperature below :data:`GREEDY_BELOW`
+    (0 included) is greedy (argmax); top-k and top-p always keep the most likely token.
 
     A request ends after ``max_tokens`` tokens or at the first sampled token in
     ``stop_token_ids`` (kept in the output, as vLLM and HF do). The scheduler knows no
@@ -97,7 +102,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def with_eos(self, eos_token_ids: Sequence[int]) -> "SamplingParams":
         """These params with the model's EOS ids added to ``stop_token_ids`` (self if

@@ -57,6 +57,7 @@ CASES = [
     (CHAT, {"messages": []}, 400, "messages", None),
     (CHAT, {"messages": "hi"}, 400, "messages", None),
     (CHAT, {"messages": [{"content": "no role"}]}, 400, "messages", None),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", None),  # OpenAI's roles only
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages", None),
     (CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens", None),

@@ -14,7 +14,8 @@ import threading
 
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 
-__all__ = ["add_max_request_bytes", "bind_socket", "require_server_dependencies", "uvicorn_server"]
+__all__ = ["add_connection_limits", "add_max_request_bytes", "bind_socket", "http_protocol",
+           "require_server_dependencies", "uvicorn_server"]
 
 
 def require_server_dependencies(kv_events: bool, command: str = "serve", extra: tuple[str, ...] = ()) -> None:
@@ -37,6 +38,29 @@ def add_max_request_bytes(parser) -> None:
     parser.add_argument("--max-request-bytes", type=int_range(1), default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                         help=f"refuse request bodies larger than N bytes with 413 (default "
                              f"{DEFAULT_MAX_REQUEST_BYTES:,}: {DEFAULT_MAX_REQUEST_BYTES / 2**20:g} MiB)")
+
+
+def add_connection_limits(parser) -> None:
+    """``--request-timeout`` and ``--max-connections`` (serve and route): see
+    :mod:`hybridkv.protocol.connections`; :func:`http_protocol` applies them."""
+    from hybridkv.cli.options import finite_float, int_range
+
+    parser.add_argument("--request-timeout", type=finite_float(0.0, low_open=True), default=30.0, metavar="SECONDS",
+                        help="a request's headers and body must all arrive within SECONDS of its start (the "
+                             "connection, or its first byte on a kept-alive one), else 408 and the connection "
+                             "closes; responses are not timed, and a connection idle between requests closes "
+                             "after 5 s (default 30)")
+    parser.add_argument("--max-connections", type=int_range(1), default=1024, metavar="N",
+                        help="connections open at once; one more gets 503 with Retry-After and is closed "
+                             "(default 1024)")
+
+
+def http_protocol(args):
+    """uvicorn's ``http=`` protocol class for parsed ``args`` (:func:`add_connection_limits`)."""
+    from hybridkv.protocol.connections import ConnectionLimits, limited_protocol
+
+    return limited_protocol(ConnectionLimits(request_timeout=args.request_timeout,
+                                             max_connections=args.max_connections))
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -78,10 +102,11 @@ def quiet_probe_logs(log_level: str) -> None:
         logging.getLogger("uvicorn.access").addFilter(QuietProbes())
 
 
-def uvicorn_server(uv_config, front, config, ready_line: str):
+def uvicorn_server(uv_config, front, config, ready_line: str, on_exit=None):
     """uvicorn's server, printing ``ready_line`` once it listens and turning SIGTERM into an
-    orderly stop: admission closed first, then drain (with a timer) or abort (with ``front``
-    None, the router's, only the first)."""
+    orderly stop: admission closed first, then drain (with a timer) or abort; with ``front``
+    None (the router's), ``on_exit()`` is called at the first signal instead (the router's
+    stop: its requests in flight end at once)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -105,6 +130,8 @@ def uvicorn_server(uv_config, front, config, ready_line: str):
                 print(ready_line, file=sys.stderr, flush=True)
 
         def handle_exit(self, sig, frame):
+            if not self.should_exit and front is None and on_exit is not None:
+                on_exit()
             if not self.should_exit and front is not None:
                 front.close_admission()
                 if config.shutdown == "abort":

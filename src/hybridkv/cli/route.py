@@ -19,7 +19,7 @@ import argparse
 import logging
 import sys
 
-from hybridkv.cli.http_server import add_max_request_bytes
+from hybridkv.cli.http_server import add_connection_limits, add_max_request_bytes
 from hybridkv.cli.options import finite_float, int_range
 from hybridkv.errors import InvalidConfigError
 
@@ -58,6 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--events-timeout", type=finite_float(0.0, low_open=True), default=5.0,
                    help="seconds a replica's events may lag a response before its index is dropped (default 5)")
     add_max_request_bytes(p)
+    add_connection_limits(p)
     p.add_argument("--shadow-peek", action="store_true",
                    help="benchmarks: ask the chosen replica's manager at each decision too, reported in "
                         "x-hybridkv-resident-hit (default off)")
@@ -82,7 +83,7 @@ def _tokenizer(model: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from hybridkv.cli.http_server import bind_socket, require_server_dependencies, uvicorn_server
+    from hybridkv.cli.http_server import bind_socket, http_protocol, require_server_dependencies, uvicorn_server
     from hybridkv.router.replica import ReplicaSpec
 
     if not args.replica:
@@ -102,13 +103,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from hybridkv.router.app import create_router_app
+        from hybridkv.router.app import create_router_app, stop_soon
 
         logging.basicConfig(level=args.log_level.upper(), format=f"{PREFIX}: %(levelname)s %(message)s")
         app = create_router_app(router)
         host, port = sock.getsockname()[:2]
         ready = f"{PREFIX}: listening on http://{host}:{port} ({len(specs)} replicas, policy {config.policy})"
-        server = uvicorn_server(uvicorn.Config(app, log_level=args.log_level, access_log=False), None, None, ready)
+        uv_config = uvicorn.Config(app, log_level=args.log_level, access_log=False, http=http_protocol(args))
+        server = uvicorn_server(uv_config, None, None, ready, on_exit=lambda: stop_soon(app))
         server.run(sockets=[sock])
     finally:
         sock.close()

@@ -25,8 +25,10 @@ import sys
 
 from hybridkv.cli.engine_args import add_engine_options, check_pool, engine_config, require_engine_dependencies
 from hybridkv.cli.http_server import (
+    add_connection_limits,
     add_max_request_bytes,
     bind_socket,
+    http_protocol,
     quiet_probe_logs,
     require_server_dependencies,
     uvicorn_server,
@@ -52,10 +54,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--port", type=int_range(0, 65535), default=8000, help="port; 0 picks a free one (default 8000)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in the API (default: MODEL as given, or its directory's name)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes (default: none)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (default: none)")
     p.add_argument("--max-waiting", type=int_range(1), default=256,
                    help="requests waiting at most; past it 503 with Retry-After (default 256)")
     add_max_request_bytes(p)
+    add_connection_limits(p)
     p.add_argument("--shutdown", choices=("drain", "abort"), default="drain",
                    help="on SIGTERM: let running requests finish, or abort them (default drain)")
     p.add_argument("--drain-timeout", type=finite_float(0.0), default=30.0,
@@ -151,7 +155,7 @@ def _serve(args: argparse.Namespace, config, source, sock: socket.socket) -> int
         if publisher.replay_endpoint is not None:
             ready += f", replay on {publisher.replay_endpoint}"
     uv_config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=int(config.drain_timeout) + 5,
-                               access_log=args.log_level in ("debug", "info"))
+                               access_log=args.log_level in ("debug", "info"), http=http_protocol(args))
     quiet_probe_logs(args.log_level)
     server = uvicorn_server(uv_config, front, config, ready)
     server.run(sockets=[sock])

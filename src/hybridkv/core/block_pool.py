@@ -315,6 +315,16 @@ class BlockPool(PrefixCacheMap):
                 raise InvariantViolation(f"block {block.block_id} freed more often than it was taken")
         self._num_free += freed
 
+    def uncache(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Forget the content address of held blocks (or stripe leads) whose content was never
+        written (KV events: BlockRemoved); they stay held. A free block raises
+        InvalidArgumentError, nothing changed (the free queue orders cached and uncached ones
+        apart: free it after)."""
+        blocks = list(blocks)
+        if any(b.ref_cnt < 1 or b.is_null for b in blocks):
+            raise InvalidArgumentError("only held blocks can be uncached")
+        self._evict_all(blocks)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Refused (False) while any block is in use."""
         if self._num_free != self.num_blocks - 1:

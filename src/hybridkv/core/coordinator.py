@@ -249,6 +249,10 @@ class KVCacheCoordinator:
             for m in self.managers:
                 m.cache_blocks(request, num_tokens)
 
+    def uncache_from(self, request_id: str, first: int) -> int:
+        """Every manager's :meth:`~AttentionManager.uncache_from`; blocks that lost their address."""
+        return sum(m.uncache_from(request_id, first) for m in self.managers)
+
     def free(self, request_id: str) -> bool:
         """Free every block of the request, manager by manager in group order (a
         stripe frees with its first group), each tail-most first."""

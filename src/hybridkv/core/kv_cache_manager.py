@@ -334,6 +334,25 @@ class KVCacheManager:
         if len(self._freed) > 100_000:  # only for error messages; keep it bounded
             self._freed.clear()
 
+    def uncache_unwritten(self, request: Request, num_written_tokens: int) -> int:
+        """A step over the request failed: its K/V (and states) from token ``num_written_tokens``
+        on may never have been written, so the blocks holding any of those tokens lose their
+        content address (no later prefix hit reads them; KV events: BlockRemoved). The
+        request keeps its blocks; free or recompute it next. Returns the blocks uncached.
+
+        Block 4, a request computed to 6 before the failed step, which cached blocks 1-2
+        (tokens 4-11): ``uncache_unwritten(req, 6)`` uncaches positions 6 // 4 = 1 onwards,
+        the blocks of tokens 4-11; block 0 (tokens 0-3, written before) stays cached.
+        """
+        self._check_request(request)
+        rid = request.request_id
+        if self._live.get(rid) is not request:
+            raise UnknownRequestError(f"request {rid!r} holds no blocks")
+        if isinstance(num_written_tokens, bool) or not isinstance(num_written_tokens, int) or num_written_tokens < 0:
+            raise InvalidArgumentError(f"num_written_tokens must be a non-negative int, got {num_written_tokens!r}")
+        self._quiet.pop(rid, None)
+        return self.coordinator.uncache_from(rid, num_written_tokens // self.block_size)
+
     def remove_skipped_blocks(self, request: Request) -> None:
         """Free the request's blocks no future token attends to, now (allocate_slots also does)."""
         self._check_request(request)

@@ -29,6 +29,12 @@ ends a request at once, freeing its blocks. :meth:`LLMEngine.kv_summary` reports
 blocks in use per group, prefix hits, preemptions and KV bytes per request against
 the all-full layout (:mod:`hybridkv.engine.kv_summary`).
 
+One request's failure stays its own: a request whose logits are a model fault ends
+with finish reason ``"error"`` and the others sample as usual; a step whose model run
+raises is rolled back (:meth:`~hybridkv.scheduler.scheduler.Scheduler.roll_back`: its
+unwritten blocks uncached, its requests recomputed, each alone until the one that fails
+again is found and ends with ``"error"``; :attr:`RequestOutput.error` says why).
+
 Bad input is refused before any state changes: token ids outside the vocabulary,
 empty prompts and prompts longer than ``max_model_len`` raise typed errors from
 ``add_request``; a pool too small for a request raises ``PoolTooSmallError`` there.
@@ -37,6 +43,7 @@ empty prompts and prompts longer than ``max_model_len`` raise typed errors from
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +76,11 @@ from hybridkv.scheduler.sequence import FinishReason, Sequence as Seq
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "RequestDelta"]
 
+log = logging.getLogger("hybridkv.engine")
+
+#: :attr:`RequestOutput.error` of a request whose logits were not numbers
+NOT_NUMBERS = "the model's logits for this request were not numbers (nan or inf)"
+
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
@@ -77,7 +89,7 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
-    finish_reason: str  # "stop", "length" or "aborted"
+    finish_reason: str  # "stop", "length", "aborted" or "error" (the model failed on it: see ``error``)
     num_cached_tokens: int
     num_preemptions: int
     arrival_time: float = 0.0
@@ -87,6 +99,8 @@ class RequestOutput:
     #: with none) and at its latest admission (``num_cached_tokens`` is the first's)
     arrival_hit_tokens: int = 0
     last_hit_tokens: int = 0
+    #: why a request ended with ``"error"`` (None otherwise)
+    error: str | None = None
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -239,7 +253,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def _output(self, seq: Seq, now: float) -> RequestOutput:
+    def _output(self, seq: Seq, now: float, error: str | None = None) -> RequestOutput:
         """The finished ``seq``'s output; forgets its progress."""
         r = seq.request
         progress = self._progress.pop(r.request_id)
@@ -255,6 +269,7 @@ class LLMEngine:
             now,
             seq.arrival_hit_tokens,
             seq.last_hit_tokens,
+            error,
         )
 
     def step_deltas(self, on_scheduled: Callable[[], None] | None = None) -> list[RequestDelta]:
@@ -273,12 +288,16 @@ class LLMEngine:
             if seq.admitted_step == output.step:
                 self._usage.prefix_hit_tokens += seq.last_hit_tokens
         self.kv.pool_usage()  # this step's slots allocated: the core raises its peaks
-        sampled = self.runner.execute(output) if output.scheduled else {}
-        finished = {seq.request_id: seq for seq in sched.update_from_output(output, sampled)}
+        try:
+            sampled = self.runner.execute(output) if output.scheduled else {}
+        except Exception as exc:
+            return self._roll_back(output, exc)
+        faults = self.runner.row_faults
+        finished = {seq.request_id: seq for seq in sched.update_from_output(output, sampled, faults)}
         now = time.perf_counter()
         deltas = []
         for sr in output.scheduled:
-            if not sr.sample:
+            if not sr.sample and sr.request_id not in finished:
                 continue
             seq = finished.get(sr.request_id) or sched.sequences.get(sr.request_id)
             if seq is None:
@@ -289,10 +308,28 @@ class LLMEngine:
             if new and progress.first_token_time is None:
                 progress.first_token_time = now
             progress.reported = len(ids)
-            done = self._output(seq, now) if sr.request_id in finished else None
+            done = None
+            if sr.request_id in finished:
+                done = self._output(seq, now, NOT_NUMBERS if sr.request_id in faults else None)
             if new or done is not None:
                 deltas.append(RequestDelta(sr.request_id, new, done))
         if not sched.has_unfinished_requests():  # idle: torch gets the cores back (a quantized decode lent them out)
+            cpu_ops.hold_cores(False)
+        return deltas
+
+    def _roll_back(self, output, exc: Exception) -> list[RequestDelta]:
+        """The step's model run raised: undo it (the scheduler's rule), end what it found at fault."""
+        ended = self.scheduler.roll_back(output)
+        why = f"the model failed on this request ({type(exc).__name__}: {exc})"[:300]
+        if ended:
+            log.error("step %d failed on request %s alone; ending it: %s", output.step, ended[0].request_id,
+                      why, exc_info=exc)
+        else:
+            log.warning("step %d failed (%s: %s); recomputing its %d requests one at a time", output.step,
+                        type(exc).__name__, exc, len(output.scheduled))
+        now = time.perf_counter()
+        deltas = [RequestDelta(seq.request_id, (), self._output(seq, now, why)) for seq in ended]
+        if not self.scheduler.has_unfinished_requests():
             cpu_ops.hold_cores(False)
         return deltas
 

@@ -47,7 +47,7 @@ class CompletionOutput:
     text: str
     token_ids: tuple[int, ...]
     prompt_token_ids: tuple[int, ...]
-    finish_reason: str  # "stop" (EOS, a stop token or a stop string), "length" or "aborted"
+    finish_reason: str  # "stop" (EOS, a stop token or a stop string), "length", "aborted" or "error" (the model failed on it)
     num_cached_tokens: int
     num_preemptions: int
     time_to_first_token: float | None  # seconds from add to first token; None: no token

@@ -11,7 +11,9 @@ the :class:`PagedKVStorage`. A step:
    at the last token of each request with ``sample=True`` - and samples one token per
    such request (all greedy rows in one ``argmax``).
 
-``last_logits`` keeps those logits (``{request_id: [vocab]}``) for tests.
+``last_logits`` keeps those logits (``{request_id: [vocab]}``) for tests. A request whose
+logits are a model fault (``nan``, ``+inf``, nothing above ``-inf``: see
+:mod:`hybridkv.engine.sampling`) gets no token; it is in ``row_faults`` until the next step.
 
 A model with linear-attention layers (Qwen3-Next, Qwen3.5) runs with a
 :class:`~hybridkv.engine.state_runner.StateRunner`: its state groups' tables become the
@@ -32,7 +34,7 @@ from hybridkv.engine.decode_graphs import DecodeGraphs
 from hybridkv.engine.host import PinnedStager, long_tensor
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.engine.models.base import CausalLM
-from hybridkv.engine.sampling import Sampler
+from hybridkv.engine.sampling import FAULT, Sampler
 from hybridkv.engine.state_runner import StateRunner
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 from hybridkv.scheduler.interface import SchedulerOutput
@@ -116,6 +118,8 @@ class PagedModelRunner:
         self.states = states
         self.sampler = Sampler(seed)
         self.last_logits: dict[str, torch.Tensor] = {}
+        #: the last step's requests whose logits were a model fault (no token sampled)
+        self.row_faults: set[str] = set()
         self.device = storage.device
         #: a step's ints reach a CUDA device through pinned memory, with no host synchronisation
         self.stager = PinnedStager(self.device) if self.device.type == "cuda" else None
@@ -129,8 +133,11 @@ class PagedModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Compute the step; return request id -> sampled token for requests with ``sample``."""
+        """Compute the step; return request id -> sampled token for requests with ``sample``
+        (but those of ``row_faults``). Anything else that goes wrong raises: the caller
+        rolls the step back (:meth:`~hybridkv.scheduler.scheduler.Scheduler.roll_back`)."""
         self.last_logits = {}
+        self.row_faults = set()
         if self.stager is not None:
             self.stager.reset()  # the last step's sampled ids were read: its copies are done
         reqs = output.scheduled
@@ -181,6 +188,9 @@ class PagedModelRunner:
         tokens = self.sampler.sample_rows(logits, [r.sampling for r in chosen], [r.num_output_tokens for r in chosen])
         result: dict[str, int] = {}
         for row, (r, token) in enumerate(zip(chosen, tokens)):
+            if token == FAULT:
+                self.row_faults.add(r.request_id)
+                continue
             self.last_logits[r.request_id] = logits[row]
             result[r.request_id] = token
         return result

@@ -12,6 +12,17 @@ exponential race (``argmax(p / E)``, ``E ~ Exp(1)``: an exact draw from ``p``) w
 comes from a generator seeded per row as above (the rows without a seed share the
 sampler's device generator). The only host synchronisation is reading the chosen ids.
 The CPU default keeps the row-by-row ``multinomial`` (its seeded tokens stay as they were).
+
+Defined for every accepted value (the same rules on both paths):
+
+- A temperature below :data:`~hybridkv.sampling_params.GREEDY_BELOW` samples greedily
+  (:attr:`SamplingParams.greedy`); above the largest fp32 it divides as the largest fp32.
+  Logits are shifted by their row's maximum before the division, so no finite temperature
+  turns a finite logit into ``inf`` or ``nan``.
+- top-k and top-p always keep the most likely token (top-p ``5e-324`` is greedy).
+- A row whose logits hold ``nan`` or ``+inf``, or nothing above ``-inf``, is a *model
+  fault*: :meth:`Sampler.sample_rows` returns :data:`FAULT` for it (the engine ends that
+  request with an error); the other rows are sampled as if it were not there.
 """
 
 from __future__ import annotations
@@ -22,9 +33,12 @@ import torch
 
 from hybridkv.sampling_params import SamplingParams
 
-__all__ = ["Sampler", "filtered_probs", "step_seed"]
+__all__ = ["FAULT", "Sampler", "filtered_probs", "step_seed"]
 
 _MASK64 = (1 << 63) - 1
+#: what :meth:`Sampler.sample_rows` returns for a row whose logits are a model fault
+FAULT = -1
+_FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def step_seed(seed: int, num_output_tokens: int) -> int:
@@ -38,22 +52,41 @@ def step_seed(seed: int, num_output_tokens: int) -> int:
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """logits [N, vocab] -> fp32 probabilities [N, vocab] after each row's temperature (1 for a
     greedy row), top-k (ties with the k-th kept) and top-p (the smallest set whose mass reaches
-    it; a token whose higher-ranked mass already reaches ``top_p`` is dropped)."""
+    it; a token whose higher-ranked mass already reaches ``top_p`` is dropped; the most likely
+    token is always kept). A row without a finite maximum (a model fault: see the module
+    docstring) comes out uniform; callers do not sample it."""
     device, vocab = logits.device, logits.shape[-1]
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
-    x = logits.float() / temps.unsqueeze(1)  # [N, V]
+    x = logits.float()
+    top = x.amax(dim=-1, keepdim=True)  # [N, 1]
+    ok = torch.isfinite(top)
+    # shifted: every logit <= 0 and the row's best exactly 0, whatever the temperature
+    x = torch.where(ok, x - torch.where(ok, top, 0.0), 0.0)
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    if min(top_k) < vocab:
+    if min(top_k) < vocab:  # ranked before the temperature, which may merge nearby logits
         vals = torch.topk(x, max(top_k), dim=-1).values  # [N, kmax] descending
         kth = vals.gather(1, torch.tensor(top_k, device=device).sub_(1).clamp_(max=vals.shape[1] - 1).unsqueeze(1))
         x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)  # [N, V]
+    temps = torch.tensor([1.0 if p.greedy else min(p.temperature, _FP32_MAX) for p in params], device=device)
+    ranked = x  # [N, V]: the ranking top-p walks, before a temperature rounds nearby logits together
+    x = x / temps.unsqueeze(1)  # -inf stays -inf, the best stays 0
+    probs = torch.softmax(x, dim=-1)  # [N, V]: the best token's probability >= 1 / V
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)  # [N, 1]
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # a row at 1.0 keeps everything (its cumulative sum may round past 1)
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params],
+                             device=device).unsqueeze(1)  # [N, 1]
+        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices  # first: the argmax
+        sorted_probs = probs.gather(1, order)
         before = torch.cumsum(sorted_probs, -1) - sorted_probs  # mass strictly above each token
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill_(before >= top_p, 0.0))
+        drop = before >= top_p
+        drop[:, 0] = False  # the best token stays, however small top_p is (5e-324 is 0 in fp32)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill_(drop, 0.0))
     return probs
+
+
+def fault_rows(row_max: torch.Tensor) -> torch.Tensor:
+    """Per row, from its maximum logit [N]: True where the row is a model fault (``nan`` or
+    ``+inf`` in it, or all ``-inf``: ``max`` propagates ``nan``) -> bool [N]."""
+    return ~torch.isfinite(row_max)
 
 
 class Sampler:
@@ -68,23 +101,28 @@ class Sampler:
     def sample_rows(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
     ) -> list[int]:
-        """logits [N, vocab] -> one token per row; all greedy rows in one ``argmax``.
+        """logits [N, vocab] -> one token per row (:data:`FAULT` for a model-fault row); all
+        greedy rows in one ``max``, which also finds the fault rows.
 
         Rows are drawn in order, so unseeded draws come out as from :meth:`sample` row by row
         (on the CPU path; batched on a device: :meth:`sample_batched`).
         """
         if self.on_device or logits.device.type != "cpu":
             return self.sample_batched(logits, params, num_output_tokens)
-        greedy = torch.argmax(logits, dim=-1).tolist() if any(p.greedy for p in params) else []
+        row_max, best = torch.max(logits, dim=-1)  # [N], [N]
+        faults = fault_rows(row_max).tolist()
+        greedy = best.tolist()
         return [
-            greedy[row] if p.greedy else self.sample(logits[row], p, n)
-            for row, (p, n) in enumerate(zip(params, num_output_tokens))
+            FAULT if bad else greedy[row] if p.greedy else self._draw(logits[row], p, n)
+            for row, (p, n, bad) in enumerate(zip(params, num_output_tokens, faults))
         ]
 
     def sample(self, logits: torch.Tensor, params: SamplingParams, num_output_tokens: int) -> int:
-        """logits [vocab] -> one token id."""
-        if params.greedy:
-            return int(torch.argmax(logits))
+        """logits [vocab] -> one token id (:data:`FAULT` for a model-fault row)."""
+        return self.sample_rows(logits.unsqueeze(0), [params], [num_output_tokens])[0]
+
+    def _draw(self, logits: torch.Tensor, params: SamplingParams, num_output_tokens: int) -> int:
+        """One draw from a non-greedy, fault-free row logits [vocab]."""
         probs = filtered_probs(logits.float().cpu().unsqueeze(0), [params])[0]  # [V]
         if params.seed is not None:
             gen = torch.Generator(device="cpu")
@@ -99,19 +137,20 @@ class Sampler:
         """logits [N, vocab] -> one token per row, every row at once where the logits are."""
         device = logits.device
         greedy = [p.greedy for p in params]
-        best = torch.argmax(logits, dim=-1)  # [N]
-        if all(greedy):
-            return best.tolist()
-        probs = filtered_probs(logits, params)  # [N, V]
-        noise = torch.empty_like(probs)  # [N, V] Exp(1): argmax(p / E) draws from p
-        noise.exponential_(generator=self._device_generator(device))
-        for row, (p, count) in enumerate(zip(params, num_output_tokens)):
-            if p.seed is not None and not p.greedy:
-                gen = torch.Generator(device=device)
-                gen.manual_seed(step_seed(p.seed, count))
-                noise[row].exponential_(generator=gen)
-        drawn = torch.argmax(probs / noise.clamp_(min=1e-20), dim=-1)  # [N]
-        return torch.where(torch.tensor(greedy, device=device), best, drawn).tolist()
+        row_max, best = torch.max(logits, dim=-1)  # [N], [N]
+        faults = fault_rows(row_max)  # [N]
+        if not all(greedy):
+            probs = filtered_probs(logits, params)  # [N, V]
+            noise = torch.empty_like(probs)  # [N, V] Exp(1): argmax(p / E) draws from p
+            noise.exponential_(generator=self._device_generator(device))
+            for row, (p, count) in enumerate(zip(params, num_output_tokens)):
+                if p.seed is not None and not p.greedy:
+                    gen = torch.Generator(device=device)
+                    gen.manual_seed(step_seed(p.seed, count))
+                    noise[row].exponential_(generator=gen)
+            drawn = torch.argmax(probs / noise.clamp_(min=1e-20), dim=-1)  # [N]
+            best = torch.where(torch.tensor(greedy, device=device), best, drawn)
+        return torch.where(faults, FAULT, best).tolist()
 
     def _device_generator(self, device: torch.device) -> torch.Generator:
         gen = self._device_unseeded.get(device)

@@ -3,7 +3,9 @@
 * :mod:`~hybridkv.protocol.openai` - OpenAI's request bodies (pydantic) and their checks;
 * :mod:`~hybridkv.protocol.errors` - errors to HTTP statuses and OpenAI's error body;
 * :mod:`~hybridkv.protocol.kv_events` - vLLM's KV-event wire format (msgspec);
-* :mod:`~hybridkv.protocol.limits` - the request-size limit and the off-loop parsing pool.
+* :mod:`~hybridkv.protocol.limits` - the request-size limit and the off-loop parsing pool;
+* :mod:`~hybridkv.protocol.connections` - the request-read deadline and the connection cap (uvicorn's h11);
+* :mod:`~hybridkv.protocol.disconnect` - stopping the work of a client that went away.
 
-Importing this package imports none of them (each needs its extra: pydantic, msgspec).
+Importing this package imports none of them (each needs its extra: pydantic, msgspec, uvicorn).
 """

@@ -13,13 +13,14 @@ the parameter (:func:`unsupported`). Unknown fields are ignored, as vLLM and Ope
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from hybridkv.errors import InvalidArgumentError
 
 __all__ = [
+    "CHAT_ROLES",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -77,8 +78,13 @@ class CompletionRequest(_Sampling):
     suffix: Optional[StrictStr] = None
 
 
+#: the message roles OpenAI's chat API takes ("function": its deprecated one); any other is a 400
+#: naming ``messages`` (vLLM would pass a custom role to the chat template; OpenAI refuses it)
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(_Model):
-    role: StrictStr
+    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
     # text, or OpenAI's content parts (only ``{"type": "text", "text": ...}`` parts are supported)
     content: Union[StrictStr, list[dict[str, Any]], None] = None
     name: Optional[StrictStr] = None
@@ -161,7 +167,12 @@ def completion_prompt_list(req: CompletionRequest) -> list[Any]:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """The messages to render: text content as is, text parts joined (other parts refused)."""
+    """The messages to render: text content as is, text parts joined (other parts refused).
+
+    A ``developer`` message is rendered as ``system``: OpenAI's newer name for the same
+    instructions, which chat templates (written for system / user / assistant / tool) do not
+    know -- some would refuse it (Gemma's), some drop it silently (Qwen's). Every other role
+    reaches the template as given."""
     if not req.add_generation_prompt:
         raise InvalidArgumentError("add_generation_prompt=false is not supported", param="add_generation_prompt")
     messages = []
@@ -176,12 +187,12 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                     )
                 parts.append(part["text"])
             content = "".join(parts)
-        valid_text(m.role, "messages", f"message {i}'s role")
-        messages.append({"role": m.role, "content": valid_text(content or "", "messages", f"message {i}'s content")})
+        role = "system" if m.role == "developer" else m.role
+        messages.append({"role": role, "content": valid_text(content or "", "messages", f"message {i}'s content")})
     return messages
 
 
 def wire_finish_reason(reason: str | None) -> str | None:
     """The finish reason on the wire (responses, metrics): the engine's ``"aborted"`` is vLLM's
-    ``"abort"``; ``"stop"``, ``"length"`` and None pass through."""
+    ``"abort"``; ``"stop"``, ``"length"``, ``"error"`` and None pass through."""
     return "abort" if reason == "aborted" else reason

@@ -17,15 +17,29 @@ tokens the policy predicted there); with ``shadow_peek`` also ``x-hybridkv-resid
 down and the request goes to another one; no replica up is a 503 with ``Retry-After``; a
 replica that fails after it accepted the request is a 502 (or, mid-stream, an SSE error
 event and ``[DONE]``). Every error is OpenAI's JSON error body.
+
+A client that goes away, streaming or not, closes its request's connection to the replica
+(whose server then aborts the request): a non-streaming one is noticed within
+:data:`~hybridkv.protocol.disconnect.POLL_SECONDS` (:func:`~hybridkv.protocol.disconnect.until_done_or_gone`),
+a stream at its next chunk. When the router stops (:func:`stop_soon`, which ``hybridkv
+route`` calls at SIGTERM or SIGINT, or the end of the app's lifespan), :meth:`Router.stop` closes its connections
+to the replicas at once: the replicas abort what was in flight, and each waiting client
+gets a 503 (a stream: an SSE error event and ``[DONE]``) instead of waiting for it.
+Every request counts once in ``hybridkv_router_requests{outcome}``: ``ok``, ``rejected``
+(a 4xx), ``error``, ``connect_error`` (retried elsewhere), ``client_gone`` or
+``router_stopped``; ``in_flight`` counts it until then.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
+from typing import Callable
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,12 +48,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridkv import __version__
 from hybridkv.errors import HybridKVError
+from hybridkv.protocol.disconnect import until_done_or_gone
 from hybridkv.protocol.errors import error_body, to_response
 from hybridkv.protocol.limits import BodyLimit, Offload, loads_json
 from hybridkv.router.replica import Replica
 from hybridkv.router.router import Router
 
-__all__ = ["create_router_app"]
+__all__ = ["create_router_app", "stop_soon"]
 
 log = logging.getLogger("hybridkv.router")
 
@@ -89,9 +104,21 @@ def create_router_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.start()
-        yield
-        await router.stop()
-        offload.close()
+        loop = asyncio.get_running_loop()
+        stopping: list[asyncio.Future] = []
+
+        def stop() -> None:  # once: at the server's first signal (stop_soon), else at the lifespan's end
+            if not stopping:
+                stopping.append(asyncio.ensure_future(router.stop()))
+
+        app.state.stop_soon = lambda: loop.call_soon_threadsafe(stop)
+        try:
+            yield
+        finally:
+            app.state.stop_soon = None
+            stop()
+            await stopping[0]
+            offload.close()
 
     app = FastAPI(title="hybridkv router", version=__version__, lifespan=lifespan)
     app.state.router = router
@@ -106,39 +133,60 @@ def create_router_app(router: Router) -> FastAPI:
         r = to_response(exc)
         return JSONResponse(r.body, status_code=r.status, headers=r.headers)
 
+    def shutting_down() -> JSONResponse:
+        return _error(503, "the router is shutting down", "server_overloaded",
+                      {"Retry-After": str(router.config.retry_after)})
+
     async def proxy(request: Request, path: str, chat: bool) -> Response:
-        raw = await request.body()
+        if router.stopping:
+            return shutting_down()
+        raw = await request.body()  # all of it before until_done_or_gone reads the ASGI messages
+        answer = await until_done_or_gone(request, forward(raw, _forwarded(request), path, chat))
+        if answer is None:  # the client left (its replica's request was closed); nobody reads this
+            return Response(status_code=499)
+        return answer
+
+    async def forward(raw: bytes, headers: dict, path: str, chat: bool) -> Response:
+        """Choose a replica, send it the request, and answer with what it answers (see the module
+        docstring). Cancelled (the client left): the upstream is closed, the outcome counted."""
         try:  # parsed and tokenized on a worker thread: a large body never stalls the loop
             body = await offload.run(loads_json, raw)
         except ValueError as exc:
             return _error(400, str(exc), "invalid_request_error")
         token_ids = await offload.run(router.prompt_ids, body, chat)
         stream = isinstance(body, dict) and body.get("stream") is True
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         tried: set[str] = set()
         sent_at = time.monotonic()
         while True:
             replica, predicted = await router.choose(token_ids, tried)  # none up: 503
             resident = await router._peek(replica, token_ids) if router.config.shadow_peek and token_ids else None
+            client = router.client
+            if router.stopping or client is None:
+                return shutting_down()
             replica.in_flight += 1
             try:
-                upstream = await router.client.send(
-                    router.client.build_request("POST", f"{replica.spec.url}{path}", content=raw, headers=headers),
+                upstream = await client.send(
+                    client.build_request("POST", f"{replica.spec.url}{path}", content=raw, headers=headers),
                     stream=True,
                 )
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                replica.in_flight -= 1  # mark_down counts the failure (once, when it goes down)
-                metrics.requests.labels(replica.name, "connect_error").inc()
-                router.mark_down(replica, f"connect: {exc.__class__.__name__}")
-                tried.add(replica.name)
-                continue
-            except httpx.HTTPError as exc:
+            except Exception as exc:
                 replica.in_flight -= 1
+                if router.stopping:  # its client was closed under it
+                    metrics.requests.labels(replica.name, "router_stopped").inc()
+                    return shutting_down()
+                if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    metrics.requests.labels(replica.name, "connect_error").inc()
+                    router.mark_down(replica, f"connect: {exc.__class__.__name__}")  # counts the failure, once
+                    tried.add(replica.name)
+                    continue
+                if not isinstance(exc, httpx.HTTPError):
+                    raise
                 replica.num_failures += 1
                 metrics.requests.labels(replica.name, "error").inc()
                 return _error(502, f"replica {replica.name} failed: {exc.__class__.__name__}", "server_error")
-            except BaseException:  # cancelled (the client left) before the replica answered
-                replica.in_flight -= 1
+            except BaseException:  # cancelled (the client left) before the replica answered: the
+                replica.in_flight -= 1  # connection is closed by httpx, the replica aborts
+                metrics.requests.labels(replica.name, "client_gone").inc()
                 raise
             break
         replica.num_requests += 1
@@ -151,23 +199,28 @@ def create_router_app(router: Router) -> FastAPI:
                 out_headers[key] = upstream.headers[key]
         prompt_len = len(token_ids) if token_ids else None
 
-        def done(outcome: str) -> None:
+        def finish(outcome: str) -> None:
             replica.in_flight -= 1
             metrics.requests.labels(replica.name, outcome).inc()
             if outcome == "ok":  # a 2xx admitted its prompt: its blocks' KV events must follow
                 router.served(replica, prompt_len, predicted, sent_at)
 
+        exchange = _Exchange(upstream, finish)
         if stream and upstream.status_code == 200:
-            return StreamingResponse(_relay(upstream, replica, done, router), status_code=200, headers=out_headers)
+            return _Relay(exchange, replica, router, out_headers)
         try:
             content = await upstream.aread()
         except httpx.HTTPError as exc:
-            done("error")
+            if router.stopping:
+                await exchange.close("router_stopped")
+                return shutting_down()
+            await exchange.close("error")
             return _error(502, f"replica {replica.name} failed mid-response: {exc.__class__.__name__}", "server_error")
-        finally:
-            await upstream.aclose()
-        # a 4xx admitted nothing (no KV events to wait for), a 5xx failed
-        done("ok" if upstream.status_code < 400 else "rejected" if upstream.status_code < 500 else "error")
+        except BaseException:  # cancelled: the client left
+            await exchange.close("client_gone")
+            raise
+        status = upstream.status_code  # a 4xx admitted nothing (no KV events to wait for), a 5xx failed
+        await exchange.close("ok" if status < 400 else "rejected" if status < 500 else "error")
         return Response(content, status_code=upstream.status_code, headers=out_headers)
 
     @app.post("/v1/completions")
@@ -179,10 +232,13 @@ def create_router_app(router: Router) -> FastAPI:
         return await proxy(request, "/v1/chat/completions", chat=True)
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
         for r in router.candidates():
-            try:
-                resp = await router.client.get(f"{r.spec.url}/v1/models", timeout=router.config.probe_timeout)
+            if router.stopping or router.client is None:
+                return shutting_down()
+            try:  # the client's headers (its Authorization) go along, as on the generation routes
+                resp = await router.client.get(f"{r.spec.url}/v1/models", headers=_forwarded(request),
+                                               timeout=router.config.probe_timeout)
                 return Response(resp.content, status_code=resp.status_code, media_type="application/json")
             except httpx.HTTPError:
                 continue
@@ -207,22 +263,75 @@ def create_router_app(router: Router) -> FastAPI:
     return app
 
 
-async def _relay(upstream: httpx.Response, replica: Replica, done, router: Router):
-    """Stream the replica's SSE bytes through; a replica that dies mid-stream ends it with an
-    error event and ``[DONE]``; a client that leaves closes the upstream (the replica aborts)."""
-    outcome = "ok"
-    try:
-        async for chunk in upstream.aiter_bytes():  # decoded: content-encoding is not passed on
-            yield chunk
-    except httpx.HTTPError as exc:
-        outcome = "error"
-        body = error_body(f"replica {replica.name} failed mid-stream: {exc.__class__.__name__}", "server_error")
-        yield f"\n\ndata: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
-        if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
-            router.mark_down(replica, "failed mid-stream")
-    finally:
-        await upstream.aclose()
-        done(outcome)
+def _forwarded(request: Request) -> dict:
+    """The client's headers that go on to a replica: all but the hop-by-hop ones."""
+    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+class _Exchange:
+    """A replica's answer in flight: its upstream response is closed (which closes the
+    connection unless the answer was read to its end) and ``finish(outcome)`` called, once."""
+
+    __slots__ = ("upstream", "finish", "closed")
+
+    def __init__(self, upstream: httpx.Response, finish: Callable[[str], None]) -> None:
+        self.upstream, self.finish, self.closed = upstream, finish, False
+
+    async def close(self, outcome: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            with anyio.CancelScope(shield=True):  # also from a cancelled task or scope
+                await self.upstream.aclose()
+        finally:
+            self.finish(outcome)
+
+
+class _Relay(StreamingResponse):
+    """The replica's SSE bytes, passed through as they arrive. A replica that dies mid-stream
+    ends it with an error event and ``[DONE]`` (and is marked down); so does the router's
+    stop. However the response ends -- the client gone (the next chunk's send fails or the
+    server reports the disconnect), even before the first byte -- its upstream is closed
+    (the replica aborts) and its outcome counted."""
+
+    def __init__(self, exchange: _Exchange, replica: Replica, router: Router, headers: dict) -> None:
+        self.exchange, self.replica, self.router = exchange, replica, router
+        self.outcome = "client_gone"  # unless the stream reaches its end
+        super().__init__(self._chunks(), status_code=200, headers=headers)
+
+    async def _chunks(self):
+        try:
+            async for chunk in self.exchange.upstream.aiter_bytes():  # decoded: content-encoding is not passed on
+                yield chunk
+        except httpx.HTTPError as exc:
+            if self.router.stopping:
+                self.outcome, message = "router_stopped", "the router is shutting down"
+            else:
+                self.outcome = "error"
+                message = f"replica {self.replica.name} failed mid-stream: {exc.__class__.__name__}"
+                if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+                    self.router.mark_down(self.replica, "failed mid-stream")
+            body = error_body(message, "server_error")
+            yield f"\n\ndata: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+            return
+        self.outcome = "ok"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.exchange.close(self.outcome)
+
+
+def stop_soon(app: FastAPI) -> None:
+    """Stop the router of ``app`` (from a signal handler or another thread) without waiting for
+    the HTTP server to drain: its connections to the replicas close at once, so the replicas
+    abort what was in flight and each waiting client gets a 503. Nothing before the app's
+    lifespan started or after it ended."""
+    stop = getattr(app.state, "stop_soon", None)
+    if stop is not None:
+        stop()
 
 
 def _describe(r: Replica) -> dict:

@@ -106,9 +106,12 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self.num_decisions = 0
         self.decision_seconds = 0.0
+        #: set by :meth:`stop`: no new request goes out, and those in flight are ending
+        self.stopping = False
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        self.stopping = False
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.request_timeout, connect=5.0), limits=limits,
                                         transport=self._transport)
@@ -126,6 +129,11 @@ class Router:
                              on_reset=lambda reason, r=r: r.reset_index(reason, counted=reason != "resync"))
 
     async def stop(self) -> None:
+        """Stop probing and reading events, and close the HTTP client: that closes every connection
+        to the replicas, those of requests in flight included (their readers get an
+        ``httpx.ReadError`` at once, and the replicas see a disconnect and abort them).
+        Calling it again does nothing more."""
+        self.stopping = True
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -134,12 +142,12 @@ class Router:
             except asyncio.CancelledError:
                 pass
         self._tasks.clear()
+        if self.client is not None:  # before the event streams: the replicas abort at once
+            client, self.client = self.client, None
+            await client.aclose()
         for s in self._streams:
             await asyncio.get_running_loop().run_in_executor(None, s.close)
         self._streams.clear()
-        if self.client is not None:
-            await self.client.aclose()
-            self.client = None
 
     # ------------------------------------------------------------ health
     async def _health_loop(self) -> None:

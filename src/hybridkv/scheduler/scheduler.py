@@ -21,7 +21,11 @@ vLLM 0.33. Each ``schedule()`` spends a token budget (``max_num_batched_tokens``
 ``allocate_slots`` frees the blocks no future token attends to (outside the window /
 before the current chunk) as requests advance, so chunked and sliding groups hand
 their blocks back while the request runs. ``update_from_output`` appends the sampled
-tokens and frees finished requests.
+tokens and frees finished requests; the requests it is told *failed* (a model fault in
+their row) end with ``FinishReason.ERROR``.
+
+A step whose model run raised is undone by :meth:`Scheduler.roll_back`
+(:mod:`hybridkv.scheduler.isolation`): one request's fault ends only that request.
 
 Example (budget 8, one 10-token prompt, max_tokens 2)::
 
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import Sequence as Seq
+from typing import Collection, Sequence as Seq
 
 from hybridkv.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from hybridkv.core.request import Request
@@ -47,6 +51,7 @@ from hybridkv.errors import (
     UnknownRequestError,
 )
 from hybridkv.scheduler.config import SchedulerConfig
+from hybridkv.scheduler.isolation import FaultIsolation
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.interface import ModelRunner, ScheduledRequest, SchedulerOutput
 from hybridkv.scheduler.sequence import FinishReason, Sequence, SequenceStatus
@@ -57,7 +62,7 @@ __all__ = ["Scheduler"]
 REFRESH_WAITING = 16
 
 
-class Scheduler:
+class Scheduler(FaultIsolation):
     """Waiting and running queues over one :class:`KVCacheManager`."""
 
     def __init__(self, kv_cache_manager: KVCacheManager, config: SchedulerConfig):
@@ -72,6 +77,10 @@ class Scheduler:
         self.sequences: dict[str, Sequence] = {}
         self.step_count = 0
         self.num_preemptions = 0
+        #: steps undone by :meth:`roll_back`, and the requests they preempted
+        self.num_rolled_back_steps = 0
+        #: requests of a failed step not yet run alone (see the module docstring), in order
+        self.suspects: dict[str, None] = {}
         self._finished_since_last: list[str] = []
         self._usable_blocks = kv_cache_manager.usable_blocks
 
@@ -152,9 +161,13 @@ class Scheduler:
         kv.new_step_starts()
         if self.config.queued_prefix == "refresh" and self.waiting:
             self._refresh_waiting()
+        solo = self._next_suspect() if self.suspects else None
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if solo is not None and seq is not solo:
+                i += 1
+                continue
             req = seq.request
             computed = req.num_computed_tokens
             num_new = min(req.num_tokens - computed, budget, max_len - computed - 1)
@@ -176,7 +189,10 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        if not preempted:
+        if solo is not None and not preempted and solo.status is not SequenceStatus.RUNNING:
+            if self._admit_solo(solo, budget, work) is None:
+                self.suspects.clear()  # it cannot run alone beside what holds the pool: no more isolation
+        elif solo is None and not preempted:
             full_prompt = self.config.admission == "full_prompt"
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
@@ -197,17 +213,11 @@ class Scheduler:
                         )
                     break
                 self.waiting.popleft()
-                kv.pins.unpin(req.request_id)  # it holds its hit itself now
-                self.running.append(seq)
-                seq.status = SequenceStatus.RUNNING
-                seq.admitted_step = self.step_count
-                if not seq.num_preemptions:
-                    seq.num_cached_tokens = num_hit
-                seq.last_hit_tokens = num_hit
-                req.num_computed_tokens = num_hit
-                work.append((seq, num_hit, num_new))
+                self._admitted(seq, num_hit, num_new, work)
                 budget -= num_new
 
+        if solo is not None and not work:
+            self.suspects.clear()  # the suspect cannot run alone now: no more isolation
         scheduled = []
         for seq, computed, num_new in work:
             req = seq.request
@@ -234,6 +244,18 @@ class Scheduler:
         self.step_count += 1
         return output
 
+    def _admitted(self, seq: Sequence, num_hit: int, num_new: int, work: list) -> None:
+        """``seq``, out of the waiting queue and holding its slots, starts running."""
+        self.kv.pins.unpin(seq.request_id)  # it holds its hit itself now
+        self.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        seq.admitted_step = self.step_count
+        if not seq.num_preemptions:
+            seq.num_cached_tokens = num_hit
+        seq.last_hit_tokens = num_hit
+        seq.request.num_computed_tokens = num_hit
+        work.append((seq, num_hit, num_new))
+
     def _refresh_waiting(self) -> None:
         """The cached prefixes the first ``REFRESH_WAITING`` waiting requests will hit, marked
         as just used again, the queue's head last (so evicted last): blocks freed since a
@@ -241,12 +263,12 @@ class Scheduler:
         for seq in reversed(list(itertools.islice(self.waiting, REFRESH_WAITING))):
             self.kv.refresh_prefix_hit(seq.request)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, count: bool = True) -> None:
         self.kv.free(seq.request)
         seq.request.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
-        self.num_preemptions += 1
+        self.num_preemptions += count
         self.waiting.appendleft(seq)
 
     def blocks_to_admit(self, request: Request, hit_blocks: KVCacheBlocks | None = None, num_hit: int = 0) -> int:
@@ -260,16 +282,27 @@ class Scheduler:
         )
 
     # --------------------------------------------------------------- results
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Append sampled tokens; finish and free requests that are done. Returns them."""
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, int], failed: Collection[str] = ()
+    ) -> list[Sequence]:
+        """Append sampled tokens; finish and free requests that are done. Returns them.
+
+        ``failed``: requests of the step whose row the model got wrong (a model fault: no
+        token); each ends with ``FinishReason.ERROR``, its blocks of this step uncached
+        first (their K/V is suspect). A suspect that sampled has run alone: it is cleared."""
         finished: list[Sequence] = []
         max_len = self.config.max_model_len
         for sr in output.scheduled:
-            if not sr.sample:
-                continue
             seq = self.sequences.get(sr.request_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or preempted since
+            if failed and sr.request_id in failed:
+                self._fail(seq, sr.num_computed_tokens)
+                finished.append(seq)
+                continue
+            if not sr.sample:
+                continue
+            self.suspects.pop(sr.request_id, None)
             try:
                 token = sampled[sr.request_id]
             except KeyError:
@@ -294,6 +327,7 @@ class Scheduler:
         return finished
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.suspects.pop(seq.request_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finished_step = self.step_count
@@ -322,6 +356,8 @@ class Scheduler:
         for seq in self.running:
             if seq.status is not SequenceStatus.RUNNING or not self.kv.has_request(seq.request_id):
                 raise InvariantViolation(f"running {seq} holds no blocks")
+        if any(rid not in self.sequences for rid in self.suspects):
+            raise InvariantViolation("a suspect of a failed step is neither waiting nor running")
         waiting = set(waiting_ids)
         if any(rid not in waiting for rid in self.kv.pins):
             raise InvariantViolation("a pinned prefix hit belongs to no waiting request")

@@ -21,6 +21,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens reached (or max_model_len)
     STOP = "stop"  # a stop token was sampled
     ABORTED = "aborted"
+    ERROR = "error"  # the model failed on it (a step that ran it alone raised, or its logits were not numbers)
 
 
 class Sequence:

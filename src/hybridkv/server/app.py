@@ -18,12 +18,13 @@ blocks in ``app.state.final_blocks``. Every error is OpenAI's JSON error body wi
 status of :mod:`hybridkv.protocol.errors`: malformed JSON and wrong types are 400 (not
 FastAPI's 422), unknown routes 404, and nothing on the wire carries a traceback. A
 client that disconnects aborts its requests, streaming or not: their blocks are freed
-before the engine's next step.
+before the engine's next step (:func:`~hybridkv.protocol.disconnect.until_done_or_gone`).
+With ``api_key`` set, every route but ``/health`` and ``/metrics`` (:data:`OPEN_PATHS`)
+needs ``Authorization: Bearer KEY``; without it, 401 (``invalid_api_key``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from typing import Any
@@ -36,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridkv import __version__
 from hybridkv.errors import HybridKVError, InvalidArgumentError
+from hybridkv.protocol.disconnect import until_done_or_gone
 from hybridkv.protocol.errors import error_body, to_response
 from hybridkv.protocol.limits import BodyLimit, Offload, loads_json
 from hybridkv.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -48,6 +50,10 @@ __all__ = ["create_app"]
 log = logging.getLogger("hybridkv.server")
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+#: the routes answered without ``--api-key``'s key (load balancers' and scrapers', as vLLM's);
+#: every other path, ``/v1/*`` and ``/kv_cache/peek`` included, needs it (else 401)
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -83,24 +89,6 @@ def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
 def _error_json(exc: BaseException) -> JSONResponse:
     r = to_response(exc)
     return JSONResponse(r.body, status_code=r.status, headers=r.headers)
-
-
-async def _until_done_or_gone(request: Request, coro) -> Any:
-    """Await ``coro``; if the client disconnects first, cancel it (its requests are aborted)."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
 
 
 def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> FastAPI:
@@ -147,7 +135,7 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
 
         @app.middleware("http")
         async def _auth(request: Request, call_next):
-            if request.url.path.startswith("/v1/"):
+            if request.url.path not in OPEN_PATHS:
                 if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
                     return JSONResponse(
                         error_body("invalid or missing API key", "invalid_request_error", None, "invalid_api_key"),
@@ -156,7 +144,7 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
             return await call_next(request)
 
     async def _generate(request: Request, run) -> Response:
-        result = await _until_done_or_gone(request, run)
+        result = await until_done_or_gone(request, run)
         if result is None:  # the client left; nobody reads this
             return Response(status_code=499)
         if isinstance(result, dict):

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hybridkv.engine.llm import LLM, CompletionOutput, TextStream
-from hybridkv.errors import HybridKVError, InvalidArgumentError, ServiceUnavailableError
+from hybridkv.errors import EngineFailedError, HybridKVError, InvalidArgumentError, ServiceUnavailableError
 from hybridkv.protocol.openai import wire_finish_reason
 from hybridkv.sampling_params import SamplingParams
 
@@ -267,7 +267,7 @@ class AsyncLLM:
             try:
                 if self._once():
                     return
-            except Exception as exc:  # a bug in the engine: fail what runs, keep serving
+            except Exception as exc:  # a bug outside the model run (the engine rolls those back): fail what runs
                 self.num_engine_errors += 1
                 log.exception("engine step failed; aborting %d requests", len(self._live))
                 self._fail_all(exc)
@@ -361,27 +361,51 @@ class AsyncLLM:
         self._send(items)
 
     def _dispatch(self, deltas) -> None:
-        engine = self.engine
         now = time.perf_counter()
         items = []
         for d in deltas:
             live = self._live.get(d.request_id)
             if live is None:  # pragma: no cover - a request the front did not add
                 continue
-            live.token_times.extend([now] * len(d.new_token_ids))
-            text, stopped = live.text.feed(d.new_token_ids, d.finished)
-            lps = self._logprobs(d.request_id, d.new_token_ids, live.num_logprobs) if live.num_logprobs is not None else None
-            out = d.output
-            if stopped and out is None:  # a stop string: end it now, its blocks back before the next step
-                out = engine.abort_request(d.request_id)
-            final = None
-            if out is not None:
-                del self._live[d.request_id]
-                final = self.llm.finish(live.text, out, stopped)
-                self._finished(live, out, final.finish_reason)
-            if final is not None or text or d.new_token_ids:
-                items.append((live.sub, Chunk(live.index, text, d.new_token_ids, lps, final)))
+            try:
+                chunk = self._chunk(d, live, now)
+            except Exception as exc:  # its text or logprobs: end this request only
+                log.exception("request %s: its output could not be made; ending it", d.request_id)
+                chunk = self._fail_one(d.request_id, live, exc)
+            if chunk is not None:
+                items.append((live.sub, chunk))
         self._send(items)
+
+    def _chunk(self, d, live: _Live, now: float) -> Chunk | None:
+        """The chunk of one request's delta (None: nothing to send); ends it when it finished."""
+        out = d.output
+        if out is not None and out.finish_reason == "error":  # the engine found the model failing on it
+            del self._live[d.request_id]
+            self._finished(live, out)
+            return Chunk(live.index, "", (), error=EngineFailedError(out.error or "the model failed"))
+        live.token_times.extend([now] * len(d.new_token_ids))
+        text, stopped = live.text.feed(d.new_token_ids, d.finished)
+        lps = self._logprobs(d.request_id, d.new_token_ids, live.num_logprobs) if live.num_logprobs is not None else None
+        if stopped and out is None:  # a stop string: end it now, its blocks back before the next step
+            out = self.engine.abort_request(d.request_id)
+        final = None
+        if out is not None:
+            del self._live[d.request_id]
+            final = self.llm.finish(live.text, out, stopped)
+            self._finished(live, out, final.finish_reason)
+        if final is not None or text or d.new_token_ids:
+            return Chunk(live.index, text, d.new_token_ids, lps, final)
+        return None
+
+    def _fail_one(self, rid: str, live: _Live, exc: BaseException) -> Chunk:
+        """End one request after its output failed: aborted in the engine if it still runs."""
+        self._live.pop(rid, None)
+        if rid in self.engine.scheduler.sequences:
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # pragma: no cover - the engine is already broken
+                log.exception("aborting %s failed", rid)
+        return Chunk(live.index, "", (), error=exc)
 
     def _logprobs(self, rid: str, new: tuple[int, ...], k: int) -> tuple[TokenLogprob, ...] | None:
         import torch

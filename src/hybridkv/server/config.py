@@ -27,7 +27,7 @@ class ServerConfig:
     model_name: str = "model"
     host: str = "127.0.0.1"
     port: int = 8000  # 0: an ephemeral port (the CLI prints the one it got)
-    api_key: str | None = None  # when set, every /v1 route needs ``Authorization: Bearer <key>``
+    api_key: str | None = None  # when set, every route but /health and /metrics needs ``Authorization: Bearer <key>``
     max_waiting: int = 256
     max_prompts_per_request: int = 64  # a /v1/completions prompt list longer than this is refused
     shutdown: str = "drain"

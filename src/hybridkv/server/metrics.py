@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["FinishedRecord", "ServerMetrics", "FINISH_REASONS"]
 
 #: the ``finished_reason`` label values (vLLM's strings)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # vLLM's buckets (vllm/v1/metrics/buckets.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -79,7 +79,7 @@ class FinishedRecord:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
-    finish_reason: str  # "stop", "length" or "abort"
+    finish_reason: str  # "stop", "length", "abort" or "error"
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:

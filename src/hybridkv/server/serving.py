@@ -159,16 +159,25 @@ class OpenAIServing:
         this prompt would get now (valid for every group). For routers' oracles and tests."""
         if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
             raise InvalidArgumentError('give "prompt" (text or token ids) or "messages"', param="prompt")
+        param = "messages" if "messages" in body else "prompt"
         try:
             if "messages" in body:
                 ids = await self.offload.run(self.chat_prompt, ChatCompletionRequest(messages=body["messages"]))
             else:
-                [ids] = await self.offload.run(self.completion_prompts, CompletionRequest(prompt=body["prompt"]))
+                ids = await self.offload.run(self._one_prompt, CompletionRequest(prompt=body["prompt"]))
         except ValidationError as exc:
-            raise InvalidArgumentError(f"bad prompt: {exc.errors()[0].get('msg', 'invalid')}", param="prompt") from None
-        except ValueError as exc:  # several prompts
-            raise InvalidArgumentError(f"give one prompt: {exc}", param="prompt") from None
+            err = exc.errors()[0]  # where, as the generation routes say it: messages.0.role
+            where = ".".join(str(p) for p in err.get("loc", ())) if param == "messages" else param
+            raise InvalidArgumentError(f"{where or param}: {err.get('msg', 'invalid value')}", param=param) from None
         return {"prompt_tokens": len(ids), "cached_tokens": await self.front.peek_prefix_hit(ids)}
+
+    def _one_prompt(self, req: CompletionRequest) -> list[int]:
+        """The token ids of a peek's one prompt (several: InvalidArgumentError, before any is tokenized)."""
+        prompts = completion_prompt_list(req)
+        if len(prompts) != 1:
+            raise InvalidArgumentError(f"give one prompt, got {len(prompts)}", param="prompt")
+        [ids] = self.completion_prompts(req)
+        return ids
 
     # ------------------------------------------------------------ completions
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:

@@ -243,6 +243,17 @@ class AttentionManager(ABC):
         )
         st.num_cached = num_full
 
+    def uncache_from(self, request_id: str, first: int) -> int:
+        """Take the content address from the request's blocks at positions ``first``.. (their
+        K/V or state was never written: a failed step); returns how many blocks lost one.
+        They stay in the tables; only prefix hits no longer find them."""
+        st = self.state(request_id)
+        dead = [b for b in st.blocks[first:] if b.block_hash is not None]
+        if dead:
+            self.pool.uncache(dead)
+        st.num_cached = min(st.num_cached, first)
+        return sum(b.width for b in dead)
+
     def freed_needed_blocks(self, request_id: str, num_computed_tokens: int) -> bool:
         """True when the token after ``num_computed_tokens`` would read a block this request
         already freed: its computed count moved back past what was skipped (W 4, block 2,

@@ -208,6 +208,11 @@ class StateManager(AttentionManager):
                                         request.all_token_ids)
             self.cached_this_step.add(block.block_id)
 
+    def uncache_from(self, request_id: str, first: int) -> int:
+        dead = [b.block_id for b in self.state(request_id).blocks[first:]]
+        self.cached_this_step.difference_update(dead)
+        return super().uncache_from(request_id, first)
+
     # ------------------------------------------------------------ stripes with null gaps
     def _per_group(self, leads: list[KVCacheBlock]) -> list[list[KVCacheBlock]]:
         if self.width == 1:
