@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import transformers as tf
+from tests.support.poison import poison_free_blocks
 from tests.support.hf_tiny import _redraw
 
 from hybridkv.core.specs import cdiv
@@ -288,18 +289,6 @@ class Run:
     num_blocks: int
 
 
-def _poison_free_blocks(engine: LLMEngine) -> None:
-    """NaN into every block no running request holds and no prefix-cache entry names."""
-    keep = {0}
-    for seq in engine.scheduler.running:
-        for table in engine.kv.get_block_ids(seq.request_id):
-            keep.update(table)
-    for block in engine.kv.pool.blocks:
-        if block.block_hash is not None:
-            keep.update(b.block_id for b in (block.stripe or (block,)))
-    engine.storage.fill_blocks(sorted(set(range(engine.storage.num_blocks)) - keep), float("nan"))
-
-
 def drive(model, case: Case, num_blocks: int | None) -> Run:
     engine = _engine(model, case, num_blocks)
     num_blocks = engine.storage.num_blocks
@@ -317,7 +306,7 @@ def drive(model, case: Case, num_blocks: int | None) -> Run:
             for rid, row in engine.last_logits.items():
                 logits.setdefault(rid, []).append(row)
             engine.scheduler.check_invariants()
-            _poison_free_blocks(engine)
+            poison_free_blocks(engine)
         step += 1
         assert step < 2000, "no progress"
     assert engine.kv.num_free_blocks == num_blocks - 1  # all finished: every block free (cached or not)

@@ -4,8 +4,9 @@ A model run that raises on a chosen request, from a random step of it on (prefil
 decode), before the model wrote anything or after it wrote every K/V of the step, with
 prefix hits and preemptions in flight (a tight pool, ``first_chunk`` admission): that
 request ends with ``"error"``, every other request's greedy tokens equal transformers',
-and a request arriving afterwards with the failed prompt (the fault gone) gets
-transformers' tokens too. A step that fails once for no request in particular (a
+and requests arriving afterwards with every prompt, and with every prompt followed by its
+output (the fault gone), get transformers' tokens too: no prefix hit or state checkpoint
+reads what the failed step never wrote. A step that fails once for no request in particular (a
 transient fault) ends nobody. A row whose logits are ``nan`` ends that request alone with
 no rollback. After every step the invariants hold and every block no request holds and
 no prefix-cache entry names is filled with NaN, so a hit on a block whose K/V the failed
@@ -18,7 +19,9 @@ import random
 
 import pytest
 import torch
+from tests.support.poison import poison_free_blocks
 from tests.support.hf_tiny import hf_generate
+from tests.support.qwen3_next_tiny import build_qwen3_next
 
 from hybridkv.engine.engine import NOT_NUMBERS, EngineConfig, LLMEngine
 from hybridkv.scheduler import SamplingParams
@@ -40,14 +43,34 @@ def _prompts() -> dict[str, list[int]]:
 PROMPTS = _prompts()
 
 
+class Refs:
+    """transformers' greedy tokens for each prompt, and for each prompt followed by its own
+    greedy output (a request that hits the blocks and checkpoints of output positions)."""
+
+    def __init__(self, path, hf) -> None:
+        self.path, self.hf = path, hf
+        self.want = {k: hf_generate(hf, p, NEW)[0] for k, p in PROMPTS.items()}
+        self.extended = {k: p + self.want[k] for k, p in PROMPTS.items()}
+        self.want_extended = {k: hf_generate(hf, p, NEW)[0] for k, p in self.extended.items()}
+
+    def check_again(self, engine: LLMEngine) -> None:
+        """Every prompt and every extended prompt again, the fault gone: cached prefixes and
+        checkpoints (those of the failed request and steps too) give transformers' tokens."""
+        again = _drive(engine, {0: sorted(PROMPTS)}, prefix="again-")
+        ext = _drive(engine, {0: sorted(PROMPTS)}, prefix="ext-", prompts=self.extended)
+        for name in PROMPTS:
+            assert list(again["again-" + name].output_token_ids) == self.want[name], f"{name} again: differs from HF"
+            assert list(ext["ext-" + name].output_token_ids) == self.want_extended[name], f"{name} extended: differs"
+        _check_whole(engine)
+
+
 @pytest.fixture(scope="module")
 def refs(tiny_models):
     cache: dict = {}
 
     def get(arch):
         if arch not in cache:
-            path, hf = tiny_models(arch)
-            cache[arch] = (path, {k: hf_generate(hf, p, NEW)[0] for k, p in PROMPTS.items()})
+            cache[arch] = Refs(*tiny_models(arch))
         return cache[arch]
 
     return get
@@ -91,34 +114,23 @@ class Faults:
         return result
 
 
-def _poison_free_blocks(engine: LLMEngine) -> None:
-    keep = {0}
-    for seq in engine.scheduler.running:
-        for table in engine.kv.get_block_ids(seq.request_id):
-            keep.update(table)
-    for block in engine.kv.pool.blocks:
-        if block.block_hash is not None:
-            keep.update(b.block_id for b in (block.stripe or (block,)))
-    engine.storage.fill_blocks(sorted(set(range(engine.storage.num_blocks)) - keep), float("nan"))
-
-
-def _drive(engine: LLMEngine, arrivals: dict[int, list[str]], prefix: str = "") -> dict:
+def _drive(engine: LLMEngine, arrivals: dict[int, list[str]], prefix: str = "", prompts=PROMPTS) -> dict:
     outputs = {}
     step = 0
     while step <= max(arrivals) or engine.has_unfinished_requests():
         for name in arrivals.get(step, []):
-            engine.add_request(PROMPTS[name], SamplingParams(max_tokens=NEW), request_id=prefix + name)
+            engine.add_request(prompts[name], SamplingParams(max_tokens=NEW), request_id=prefix + name)
         if engine.has_unfinished_requests():
             outputs.update((o.request_id, o) for o in engine.step())
             engine.scheduler.check_invariants()
-            _poison_free_blocks(engine)
+            poison_free_blocks(engine)
         step += 1
         assert step < 2000
     return outputs
 
 
-def _engine(path, tight: bool) -> LLMEngine:
-    cfg = dict(block_size=4, max_num_batched_tokens=16, max_model_len=128, admission="first_chunk")
+def _engine(path, tight: bool, **extra) -> LLMEngine:
+    cfg = dict(block_size=4, max_num_batched_tokens=16, max_model_len=128, admission="first_chunk", **extra)
     probe = LLMEngine(path, EngineConfig(num_blocks=2000, **cfg))
     peak = probe.scheduler.peak_blocks(max(map(len, PROMPTS.values())) + NEW)
     engine = LLMEngine(path, EngineConfig(num_blocks=peak + 5 if tight else 400, **cfg))
@@ -139,7 +151,8 @@ SLOW = [pytest.param(a, s, marks=pytest.mark.slow) for a in ARCHS for s in range
 
 @pytest.mark.parametrize("arch,seed", FAST + SLOW)
 def test_a_request_the_model_fails_on_ends_alone(arch, seed, refs):
-    path, want = refs(arch)
+    ref = refs(arch)
+    path, want = ref.path, ref.want
     rng = random.Random(f"{arch}-{seed}")
     culprit = rng.choice(sorted(PROMPTS))
     tight = rng.random() < 0.6
@@ -161,17 +174,46 @@ def test_a_request_the_model_fails_on_ends_alone(arch, seed, refs):
     _check_whole(engine)
     if tight:
         assert engine.scheduler.num_preemptions + engine.scheduler.num_rolled_back_steps > 0
-    # the same prompts again, the fault gone: cached prefixes (the failed one's too) are right
     faults.on = False
-    again = _drive(engine, {0: sorted(PROMPTS)}, prefix="again-")
-    for name in PROMPTS:
-        assert list(again["again-" + name].output_token_ids) == want[name], f"{name} again: tokens differ from HF"
+    ref.check_again(engine)
+
+
+@pytest.fixture(scope="module")
+def state_refs(tmp_path_factory):
+    """Qwen3-Next's tiny model (linear-attention layers: states updated in place by decodes)."""
+    path = tmp_path_factory.mktemp("linear_last")
+    return Refs(path, build_qwen3_next("linear_last", path))
+
+
+#: (culprit, its scheduled step the fault starts at, after the model wrote?): C's 2nd step is its
+#: prefill chunk [16, 32), which caches the checkpoint after 32 tokens (block 16: a state page
+#: raised the requested 4); a decode step of D; A in prefill, written; then random ones
+STATE_CASES = [("C", 2, False), ("C", 3, True), ("D", 4, False), ("A", 1, True)]
+STATE_CASES += [pytest.param(*c, marks=pytest.mark.slow) for c in
+                [(random.Random(s).choice(sorted(PROMPTS)), random.Random(s).randint(1, NEW - 1), s % 2 == 1)
+                 for s in range(6)]]
+
+
+@pytest.mark.parametrize("culprit,from_step,after", STATE_CASES)
+def test_a_state_model_recomputes_from_checkpoints_the_failed_step_never_wrote(culprit, from_step, after, state_refs):
+    """Every checkpoint kept (retention None): a failed step's checkpoints must not be hit."""
+    path, want = state_refs.path, state_refs.want
+    engine = _engine(path, tight=False, prefix_cache_retention_interval=None)
+    assert engine.block_size == 16
+    faults = Faults(engine, culprit, from_step=from_step, after=after)
+    outputs = _drive(engine, {0: ["A", "C"], 2: ["B", "D"]})
+    assert faults.raised >= 1 and outputs[culprit].finish_reason == "error"
+    for name, out in outputs.items():
+        if name != culprit:
+            assert list(out.output_token_ids) == want[name], f"{name}: tokens differ from HF"
     _check_whole(engine)
+    faults.on = False
+    state_refs.check_again(engine)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_transient_step_fault_ends_nobody(arch, refs):
-    path, want = refs(arch)
+    path, want = refs(arch).path, refs(arch).want
     engine = _engine(path, tight=False)
     faults = Faults(engine, None, from_step=0, after=True, transient=3)
     outputs = _drive(engine, {0: ["A", "B", "C"], 2: ["D"]})
@@ -182,7 +224,8 @@ def test_a_transient_step_fault_ends_nobody(arch, refs):
 
 
 def test_nan_logits_end_their_request_alone_without_a_rollback(refs):
-    path, want = refs("gemma3")
+    ref = refs("gemma3")
+    path, want = ref.path, ref.want
     engine = _engine(path, tight=False)
     real = engine.runner._sample
     state = {"n": 0}
@@ -204,5 +247,4 @@ def test_nan_logits_end_their_request_alone_without_a_rollback(refs):
         assert list(outputs[name].output_token_ids) == want[name], name
     _check_whole(engine)
     engine.runner._sample = real
-    again = _drive(engine, {0: ["C"]}, prefix="again-")
-    assert list(again["again-C"].output_token_ids) == want["C"]
+    ref.check_again(engine)

@@ -26,8 +26,8 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from tests.support.processes import HybridkvProcess, free_port, wait_until  # noqa: E402
-from tests.support.tiny_server import ENGINE_ARGS, engine_config  # noqa: E402
+from tests.support.processes import HybridkvProcess, wait_until  # noqa: E402
+from tests.support.tiny_server import TinyReplica, engine_config  # noqa: E402
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -36,36 +36,21 @@ TIMEOUT = 2  # --request-timeout of every process
 NEW = 12
 
 
-class Replica:
-    def __init__(self, model_dir, name: str) -> None:
-        self.model_dir, self.name = model_dir, name
-        self.http, self.pub, self.replay = free_port(), free_port(), free_port()
-        self.proc: HybridkvProcess | None = None
-
-    @property
-    def spec(self) -> str:
-        return f"http://127.0.0.1:{self.http},tcp://127.0.0.1:{self.pub},tcp://127.0.0.1:{self.replay}"
-
-    def start(self, wait: bool = True) -> None:
-        self.proc = HybridkvProcess([str(self.model_dir), "--port", str(self.http), "--served-model-name", "tiny",
-                                     *ENGINE_ARGS, "--request-timeout", str(TIMEOUT),
-                                     "--kv-events", f"tcp://127.0.0.1:{self.pub}",
-                                     "--kv-events-replay", f"tcp://127.0.0.1:{self.replay}"], wait=wait)
-
-    def running(self) -> float | None:
-        try:
-            text = httpx.get(f"http://127.0.0.1:{self.http}/metrics", timeout=2).text
-        except httpx.HTTPError:
-            return None
-        for line in text.splitlines():
-            if line.startswith("vllm:num_requests_running"):
-                return float(line.rsplit(" ", 1)[1])
+def _running(replica: TinyReplica) -> float | None:
+    """The replica's ``vllm:num_requests_running`` gauge (None: no answer)."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{replica.http}/metrics", timeout=2).text
+    except httpx.HTTPError:
         return None
+    for line in text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
 
 
 @pytest.fixture
 def cluster(tiny_dir):
-    replicas = [Replica(tiny_dir, "r0"), Replica(tiny_dir, "r1")]
+    replicas = [TinyReplica(tiny_dir, "--request-timeout", str(TIMEOUT)) for _ in range(2)]
     router = None
     try:
         for r in replicas:
@@ -210,7 +195,7 @@ def test_a_random_hostile_mix_leaves_well_behaved_streams_whole(cluster, tiny_di
 
     # nothing runs anywhere once the clients are gone (dropped requests were aborted)
     for r in replicas:
-        assert wait_until(lambda r=r: r.running() == 0, timeout=15), (r.name, r.running())
+        assert wait_until(lambda r=r: _running(r) == 0, timeout=15), (r.spec, _running(r))
     with httpx.Client(base_url=router.base_url, timeout=10) as client:
         assert wait_until(lambda: all(x["in_flight"] == 0 for x in client.get("/router/replicas").json()["replicas"]),
                           timeout=10)

@@ -17,33 +17,17 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from tests.support.processes import HybridkvProcess as ServerProcess, free_port, wait_until
-from tests.support.tiny_server import ENGINE_ARGS
+from tests.support.processes import HybridkvProcess as ServerProcess, wait_until
+from tests.support.tiny_server import TinyReplica
 
 pytestmark = pytest.mark.live
 
 SYSTEM = "You are a terse assistant. Answer in few words."
 
 
-class Replica:
-    def __init__(self, model_dir) -> None:
-        self.model_dir = model_dir
-        self.http, self.pub, self.replay = free_port(), free_port(), free_port()
-        self.proc: ServerProcess | None = None
-
-    @property
-    def spec(self) -> str:
-        return f"http://127.0.0.1:{self.http},tcp://127.0.0.1:{self.pub},tcp://127.0.0.1:{self.replay}"
-
-    def start(self, wait: bool = True) -> None:
-        self.proc = ServerProcess([str(self.model_dir), "--port", str(self.http), "--served-model-name", "tiny",
-                                   *ENGINE_ARGS, "--kv-events", f"tcp://127.0.0.1:{self.pub}",
-                                   "--kv-events-replay", f"tcp://127.0.0.1:{self.replay}"], wait=wait)
-
-
 @pytest.fixture
 def cluster(tiny_dir):
-    replicas = [Replica(tiny_dir) for _ in range(3)]
+    replicas = [TinyReplica(tiny_dir) for _ in range(3)]
     router = None
     try:
         for r in replicas:

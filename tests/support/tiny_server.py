@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-__all__ = ["ENGINE_ARGS", "engine_config", "make_tiny_dir", "run_app"]
+__all__ = ["ENGINE_ARGS", "TinyReplica", "engine_config", "make_tiny_dir", "run_app"]
 
 #: the engine settings every server test uses (tiny blocks: many block boundaries, sliding frees)
 ENGINE_ARGS = ("--block-size", "4", "--max-num-seqs", "16", "--max-model-len", "256")
@@ -51,3 +51,26 @@ def run_app(llm, body, *, config=None, metrics=None, max_waiting: int = 64):
         return result, blocks
 
     return asyncio.run(main())
+
+
+class TinyReplica:
+    """A ``hybridkv serve`` of the tiny model on fixed ports (HTTP, KV events, replay), so that it
+    can be killed and started again where a router knows it; ``spec`` is its ``--replica``."""
+
+    def __init__(self, model_dir, *extra: str) -> None:
+        from tests.support.processes import free_port
+
+        self.model_dir, self.extra = model_dir, extra
+        self.http, self.pub, self.replay = free_port(), free_port(), free_port()
+        self.proc = None  # a HybridkvProcess once started
+
+    @property
+    def spec(self) -> str:
+        return f"http://127.0.0.1:{self.http},tcp://127.0.0.1:{self.pub},tcp://127.0.0.1:{self.replay}"
+
+    def start(self, wait: bool = True) -> None:
+        from tests.support.processes import HybridkvProcess
+
+        self.proc = HybridkvProcess([str(self.model_dir), "--port", str(self.http), "--served-model-name", "tiny",
+                                     *ENGINE_ARGS, *self.extra, "--kv-events", f"tcp://127.0.0.1:{self.pub}",
+                                     "--kv-events-replay", f"tcp://127.0.0.1:{self.replay}"], wait=wait)
