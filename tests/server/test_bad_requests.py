@@ -45,7 +45,11 @@ CASES = [
     (C, {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids", None),
     (C, {"prompt": "x", "n": 2}, 400, "n", None),
     (C, {"prompt": "x", "best_of": 3}, 400, "best_of", None),
-    (C, {"prompt": "x", "echo": True}, 400, "echo", None),
+    (C, {"prompt": "x", "echo": "yes"}, 400, "echo", None),
+    (C, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", None),
+    (C, {"prompt": "x", "prompt_logprobs": "3"}, 400, "prompt_logprobs", None),
+    (C, {"prompt": "x", "echo": True, "logprobs": 21}, 400, "logprobs", None),
+    (CHAT, {"messages": MSG, "prompt_logprobs": -1}, 400, "prompt_logprobs", None),
     (C, {"prompt": "x", "suffix": "y"}, 400, "suffix", None),
     (C, {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", None),
     (C, {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias", None),
@@ -76,6 +80,23 @@ CASES = [
     (CHAT, {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages", None),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "x\udc00"}]}]}, 400, "messages", None),
     (CHAT, {"messages": [{"role": "us\ud800er", "content": "hi"}]}, 400, "messages", None),
+    # vLLM's tokenizer routes (more in test_tokenizer_endpoints.py), chat echo's and n's types
+    ("/tokenize", {}, 400, "prompt", None),
+    ("/tokenize", "{bad json", 400, None, None),
+    ("/tokenize", "", 400, None, None),
+    ("/tokenize", {"prompt": "x", "messages": MSG}, 400, "prompt", None),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, 400, "add_special_tokens", None),
+    ("/tokenize", {"prompt": "a\ud800"}, 400, "prompt", None),
+    ("/tokenize", {"prompt": "a" * 7000}, 400, "prompt", "context_length_exceeded"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a" * 7000}]}, 400, "messages", "context_length_exceeded"),
+    ("/tokenize", {"messages": MSG, "continue_final_message": True}, 400, "continue_final_message", None),
+    ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/detokenize", "[]", 400, None, None),
+    ("/detokenize", {"tokens": [1, 128]}, 400, "tokens", None),
+    ("/detokenize", {"tokens": [1, True]}, 400, "tokens", None),
+    ("/detokenize", {"tokens": [1], "model": "other"}, 404, "model", "model_not_found"),
+    (CHAT, {"messages": MSG, "echo": "yes"}, 400, "echo", None),
+    (C, {"prompt": "x", "n": "1"}, 400, "n", None),
 ]
 
 
@@ -125,12 +146,14 @@ def test_a_template_that_raises_is_a_400(tiny_dir, tmp_path):
 
     async def body(client, front, app):
         bad = await client.post(CHAT, json={"messages": MSG})
+        bad_tokenize = await client.post("/tokenize", json={"messages": MSG})
         good = await client.post(C, json={"prompt": "hi", "max_tokens": 2})
-        return bad, good
+        return bad, bad_tokenize, good
 
-    (bad, good), _ = run_app(llm, body)
-    _check_error(bad, 400, "messages", None)
-    assert "roles must alternate" in bad.json()["error"]["message"]
+    (bad, bad_tokenize, good), _ = run_app(llm, body)
+    for r in (bad, bad_tokenize):  # the same template path on /tokenize
+        _check_error(r, 400, "messages", None)
+        assert "roles must alternate" in r.json()["error"]["message"]
     assert good.status_code == 200
 
 

@@ -35,6 +35,12 @@ raises is rolled back (:meth:`~hybridkv.scheduler.scheduler.Scheduler.roll_back`
 unwritten blocks uncached, its requests recomputed, each alone until the one that fails
 again is found and ends with ``"error"``; :attr:`RequestOutput.error` says why).
 
+``SamplingParams(prompt_logprobs=k)`` scores the prompt (:mod:`hybridkv.engine.prompt_logprobs`):
+such a request takes no prefix hit, its chunks' rows go through the output projection in
+slices, and its values come once, complete, in the step of its first token
+(:attr:`RequestDelta.prompt_logprobs`, :attr:`RequestOutput.prompt_logprobs`), however often
+it was preempted and recomputed.
+
 Bad input is refused before any state changes: token ids outside the vocabulary,
 empty prompts and prompts longer than ``max_model_len`` raise typed errors from
 ``add_request``; a pool too small for a request raises ``PoolTooSmallError`` there.
@@ -45,7 +51,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -65,6 +70,7 @@ from hybridkv.engine.model_runner import PagedModelRunner
 from hybridkv.engine.models import load_model
 from hybridkv.engine.models.quantize import check_quantization
 from hybridkv.engine.models.base import CausalLM
+from hybridkv.engine.outputs import Progress, RequestDelta, RequestOutput, prompt_scores
 from hybridkv.engine.state_runner import StateRunner
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, UnknownRequestError
 from hybridkv.tokenizer.prompts import check_token_ids
@@ -80,60 +86,6 @@ log = logging.getLogger("hybridkv.engine")
 
 #: :attr:`RequestOutput.error` of a request whose logits were not numbers
 NOT_NUMBERS = "the model's logits for this request were not numbers (nan or inf)"
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """A finished request. Times are ``time.perf_counter()`` seconds."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
-    finish_reason: str  # "stop", "length", "aborted" or "error" (the model failed on it: see ``error``)
-    num_cached_tokens: int
-    num_preemptions: int
-    arrival_time: float = 0.0
-    first_token_time: float | None = None  # None: aborted before its first token
-    finished_time: float = 0.0
-    #: the prefix hit when it was queued (``SchedulerConfig.queued_prefix`` refresh / pin; 0
-    #: with none) and at its latest admission (``num_cached_tokens`` is the first's)
-    arrival_hit_tokens: int = 0
-    last_hit_tokens: int = 0
-    #: why a request ended with ``"error"`` (None otherwise)
-    error: str | None = None
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-
-@dataclass(frozen=True, slots=True)
-class RequestDelta:
-    """What one request did in one step: the tokens it gained (vLLM's delta output) and,
-    if it finished in the step, its :class:`RequestOutput`."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    output: RequestOutput | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.output is not None
-
-    @property
-    def finish_reason(self) -> str | None:
-        return None if self.output is None else self.output.finish_reason
-
-
-class _Progress:
-    """The engine's bookkeeping of a live request: when it came, first token, tokens reported."""
-
-    __slots__ = ("arrival_time", "first_token_time", "reported")
-
-    def __init__(self, arrival_time: float) -> None:
-        self.arrival_time = arrival_time
-        self.first_token_time: float | None = None
-        self.reported = 0
 
 
 class LLMEngine:
@@ -220,7 +172,7 @@ class LLMEngine:
         #: where requests stop unless they ask ``ignore_eos`` (config.json + generation_config.json)
         self.eos_token_ids: tuple[int, ...] = m.eos_token_ids
         self._ids = itertools.count()
-        self._progress: dict[str, _Progress] = {}
+        self._progress: dict[str, Progress] = {}
         self._usage = UsageTracker((g.spec for g in self.grouping.groups), (len(g.layers) for g in self.grouping.groups))
 
     # --------------------------------------------------------------- requests
@@ -237,8 +189,9 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(rid, str):
             raise InvalidArgumentError(f"a request id must be a str, got {rid!r:.60}")
-        self.scheduler.add_request(rid, prompt, (sampling or SamplingParams()).with_eos(self.eos_token_ids))
-        self._progress[rid] = _Progress(time.perf_counter())
+        sampling = (sampling or SamplingParams()).with_eos(self.eos_token_ids)
+        self.scheduler.add_request(rid, prompt, sampling)
+        self._progress[rid] = Progress(time.perf_counter(), sampling.prompt_logprobs is not None)
         return rid
 
     def abort_request(self, request_id: str) -> RequestOutput:
@@ -270,6 +223,7 @@ class LLMEngine:
             seq.arrival_hit_tokens,
             seq.last_hit_tokens,
             error,
+            progress.prompt_logprobs,
         )
 
     def step_deltas(self, on_scheduled: Callable[[], None] | None = None) -> list[RequestDelta]:
@@ -288,10 +242,17 @@ class LLMEngine:
             if seq.admitted_step == output.step:
                 self._usage.prefix_hit_tokens += seq.last_hit_tokens
         self.kv.pool_usage()  # this step's slots allocated: the core raises its peaks
+        wanted = self._prompts_to_score(output)
         try:
-            sampled = self.runner.execute(output) if output.scheduled else {}
+            if not output.scheduled:
+                sampled = {}
+            else:
+                sampled = self.runner.execute(output, wanted) if wanted else self.runner.execute(output)
         except Exception as exc:
             return self._roll_back(output, exc)
+        for rid, (first, values) in (self.runner.last_prompt_logprobs.items() if wanted else ()):
+            scores = self._progress[rid].scores
+            scores.update(zip(range(first, first + len(values)), values))
         faults = self.runner.row_faults
         finished = {seq.request_id: seq for seq in sched.update_from_output(output, sampled, faults)}
         now = time.perf_counter()
@@ -308,14 +269,32 @@ class LLMEngine:
             if new and progress.first_token_time is None:
                 progress.first_token_time = now
             progress.reported = len(ids)
+            scored = None
+            if new and progress.scores is not None:  # the prompt is scored: hand its values over once
+                scored = progress.prompt_logprobs = prompt_scores(seq.request_id, seq.request.num_prompt_tokens, progress.scores)
+                progress.scores = None
             done = None
             if sr.request_id in finished:
                 done = self._output(seq, now, NOT_NUMBERS if sr.request_id in faults else None)
             if new or done is not None:
-                deltas.append(RequestDelta(sr.request_id, new, done))
+                deltas.append(RequestDelta(sr.request_id, new, done, scored))
         if not sched.has_unfinished_requests():  # idle: torch gets the cores back (a quantized decode lent them out)
             cpu_ops.hold_cores(False)
         return deltas
+
+    def _prompts_to_score(self, output) -> dict[str, tuple[int, Sequence[int]]] | None:
+        """The step's requests whose prompt positions are to be scored: id -> (k, prompt ids)."""
+        wanted = None
+        progress = self._progress
+        for sr in output.scheduled:
+            if progress[sr.request_id].scores is None:
+                continue
+            seq = self.scheduler.sequences[sr.request_id]
+            req = seq.request
+            if sr.num_computed_tokens < req.num_prompt_tokens - 1:
+                wanted = wanted or {}
+                wanted[sr.request_id] = (seq.sampling.prompt_logprobs, req.all_token_ids[: req.num_prompt_tokens])
+        return wanted
 
     def _roll_back(self, output, exc: Exception) -> list[RequestDelta]:
         """The step's model run raised: undo it (the scheduler's rule), end what it found at fault."""

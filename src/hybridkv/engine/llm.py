@@ -52,6 +52,9 @@ class CompletionOutput:
     num_preemptions: int
     time_to_first_token: float | None  # seconds from add to first token; None: no token
     stop_reason: str | int | None = None  # the matched stop string, or the stop token id
+    #: with ``SamplingParams.prompt_logprobs``: None for the first prompt token, then each one's
+    #: :class:`~hybridkv.engine.prompt_logprobs.PromptLogprob` (None otherwise)
+    prompt_logprobs: tuple | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +232,7 @@ class LLM:
             num_preemptions=out.num_preemptions,
             time_to_first_token=out.time_to_first_token,
             stop_reason=stop_reason,
+            prompt_logprobs=out.prompt_logprobs,
         )
 
     def __repr__(self) -> str:

@@ -23,8 +23,9 @@ Without one, nothing of this runs.
 
 from __future__ import annotations
 
+import itertools
 from functools import partial
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -34,6 +35,7 @@ from hybridkv.engine.decode_graphs import DecodeGraphs
 from hybridkv.engine.host import PinnedStager, long_tensor
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.engine.models.base import CausalLM
+from hybridkv.engine.prompt_logprobs import chunk_targets, prompt_logprobs as score_prompt
 from hybridkv.engine.sampling import FAULT, Sampler
 from hybridkv.engine.state_runner import StateRunner
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError
@@ -120,6 +122,8 @@ class PagedModelRunner:
         self.last_logits: dict[str, torch.Tensor] = {}
         #: the last step's requests whose logits were a model fault (no token sampled)
         self.row_faults: set[str] = set()
+        #: the last step's prompt scores: request id -> (first position, [PromptLogprob])
+        self.last_prompt_logprobs: dict[str, tuple[int, list]] = {}
         self.device = storage.device
         #: a step's ints reach a CUDA device through pinned memory, with no host synchronisation
         self.stager = PinnedStager(self.device) if self.device.type == "cuda" else None
@@ -132,12 +136,20 @@ class PagedModelRunner:
             raise InvalidConfigError("decode graphs need the triton attention backend and a model without state layers")
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+    def execute(
+        self, output: SchedulerOutput, prompt_logprobs: Mapping[str, tuple[int, Sequence[int]]] | None = None
+    ) -> dict[str, int]:
         """Compute the step; return request id -> sampled token for requests with ``sample``
         (but those of ``row_faults``). Anything else that goes wrong raises: the caller
-        rolls the step back (:meth:`~hybridkv.scheduler.scheduler.Scheduler.roll_back`)."""
+        rolls the step back (:meth:`~hybridkv.scheduler.scheduler.Scheduler.roll_back`).
+
+        ``prompt_logprobs``: request id -> (top ``k``, its prompt's token ids) for requests
+        whose prompt positions this step computes are wanted (:mod:`~hybridkv.engine.prompt_logprobs`);
+        then the last layer runs on every row of the step, and ``last_prompt_logprobs`` maps each
+        such request to (its first scored position, the values)."""
         self.last_logits = {}
         self.row_faults = set()
+        self.last_prompt_logprobs = {}
         if self.stager is not None:
             self.stager.reset()  # the last step's sampled ids were read: its copies are done
         reqs = output.scheduled
@@ -157,8 +169,9 @@ class PagedModelRunner:
             tables = [r.block_ids for r in reqs]
         else:  # the KV storage holds the attention groups only
             tables = [[r.block_ids[g] for g in states.attention_groups] for r in reqs]
+        scored = self._scored_rows(reqs, prompt_logprobs) if prompt_logprobs else []
         graphs = self.decode_graphs
-        if graphs is not None and all(len(r.token_ids) == 1 and r.sample for r in reqs) and graphs.fits(
+        if graphs is not None and not scored and all(len(r.token_ids) == 1 and r.sample for r in reqs) and graphs.fits(
             len(reqs), max(len(t) for r in tables for t in r)
         ):
             logits = graphs.run(flat_ids, [r.num_computed_tokens for r in reqs], tables)  # [S, vocab]
@@ -168,7 +181,7 @@ class PagedModelRunner:
             [r.num_computed_tokens for r in reqs],
             [len(r.token_ids) for r in reqs],
             tables,
-            output_seqs=sampled,
+            output_seqs=None if scored else sampled,  # prompt scores need every row's hidden state
             backend=self.attention_backend,
             upload=self._ints,
         )
@@ -177,15 +190,46 @@ class PagedModelRunner:
             hidden = self.model(input_ids, meta.positions, meta)  # [N, hidden]: sampled requests' last tokens
         else:
             hidden = self.model(input_ids, meta.positions, meta, states.step(reqs))
+        if scored:  # hidden is [T, hidden]: score the prompt rows, then keep the sampled ones
+            model = self.model
+            for rid, first_row, position, targets, k in scored:
+                rows = hidden[first_row : first_row + len(targets)]
+                self.last_prompt_logprobs[rid] = (position, score_prompt(model.compute_logits, rows, targets, k,
+                                                                         model.vocab_size))
+            ends = list(itertools.accumulate(len(r.token_ids) for r in reqs))
+            hidden = hidden.index_select(0, self._ints([ends[i] - 1 for i in sampled]))  # [N, hidden]
         if not sampled:
             return {}
         logits = self.model.compute_logits(hidden)  # [N, vocab]
         return self._sample(reqs, sampled, logits)
 
+    @staticmethod
+    def _scored_rows(reqs, wanted: Mapping[str, tuple[int, Sequence[int]]]) -> list[tuple[str, int, int, list[int], int]]:
+        """(request id, its first row in the step, the first prompt position scored, the tokens
+        scored, k) of each request of ``wanted`` whose chunk scores prompt positions."""
+        out = []
+        row = 0
+        for r in reqs:
+            want = wanted.get(r.request_id)
+            if want is not None:
+                k, prompt = want
+                targets = chunk_targets(prompt, r.num_computed_tokens, len(r.token_ids))
+                if targets:
+                    out.append((r.request_id, row, r.num_computed_tokens + 1, targets, k))
+            row += len(r.token_ids)
+        return out
+
     def _sample(self, reqs, sampled: list[int], logits: torch.Tensor) -> dict[str, int]:
-        """One token per request ``reqs[i]`` of ``sampled`` from its row of ``logits`` [N, vocab]."""
+        """One token per request ``reqs[i]`` of ``sampled`` from its row of ``logits`` [N, vocab],
+        after its bias, ``min_tokens`` and penalties (over its ``all_token_ids``: the sampler's
+        :func:`~hybridkv.engine.penalties.apply_penalties`); ``last_logits`` keeps the model's
+        logits. A ``logit_bias`` id outside the vocabulary raises InvalidArgumentError (the step
+        is rolled back and that request ends with an error)."""
         chosen = [reqs[i] for i in sampled]
-        tokens = self.sampler.sample_rows(logits, [r.sampling for r in chosen], [r.num_output_tokens for r in chosen])
+        tokens = self.sampler.sample_rows(
+            logits, [r.sampling for r in chosen], [r.num_output_tokens for r in chosen],
+            [r.all_token_ids for r in chosen], [r.num_prompt_tokens for r in chosen],
+        )
         result: dict[str, int] = {}
         for row, (r, token) in enumerate(zip(chosen, tokens)):
             if token == FAULT:

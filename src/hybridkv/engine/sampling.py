@@ -23,6 +23,12 @@ Defined for every accepted value (the same rules on both paths):
 - A row whose logits hold ``nan`` or ``+inf``, or nothing above ``-inf``, is a *model
   fault*: :meth:`Sampler.sample_rows` returns :data:`FAULT` for it (the engine ends that
   request with an error); the other rows are sampled as if it were not there.
+
+Before either path, :meth:`Sampler.sample_rows` applies each row's logit bias, ``min_tokens``
+and penalties to the raw logits (:func:`~hybridkv.engine.penalties.apply_penalties`, vLLM's
+order), once for the whole step, so both paths sample the same adjusted logits; a step with
+none of them samples its logits as they are. A row that ``min_tokens`` leaves with nothing
+above ``-inf`` is a fault row by the rule above; the adjustments keep a ``nan`` / ``+inf``.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Sequence
 
 import torch
 
+from hybridkv.engine.penalties import apply_penalties
 from hybridkv.sampling_params import SamplingParams
 
 __all__ = ["FAULT", "Sampler", "filtered_probs", "step_seed"]
@@ -99,14 +106,22 @@ class Sampler:
         self._device_unseeded: dict[torch.device, torch.Generator] = {}
 
     def sample_rows(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        num_output_tokens: Sequence[int],
+        token_ids: Sequence[Sequence[int] | None] | None = None,
+        num_prompt_tokens: Sequence[int] | None = None,
     ) -> list[int]:
         """logits [N, vocab] -> one token per row (:data:`FAULT` for a model-fault row); all
         greedy rows in one ``max``, which also finds the fault rows.
 
-        Rows are drawn in order, so unseeded draws come out as from :meth:`sample` row by row
-        (on the CPU path; batched on a device: :meth:`sample_batched`).
+        Each row's bias, ``min_tokens`` and penalties first (:func:`apply_penalties`: row ``i``'s
+        history is ``token_ids[i]``, its first ``num_prompt_tokens[i]`` ids the prompt; only
+        penalized rows need one). Rows are drawn in order, so unseeded draws come out as from
+        :meth:`sample` row by row (on the CPU path; batched on a device: :meth:`sample_batched`).
         """
+        logits = apply_penalties(logits, params, num_output_tokens, token_ids, num_prompt_tokens)  # [N, vocab]
         if self.on_device or logits.device.type != "cpu":
             return self.sample_batched(logits, params, num_output_tokens)
         row_max, best = torch.max(logits, dim=-1)  # [N], [N]
@@ -117,9 +132,17 @@ class Sampler:
             for row, (p, n, bad) in enumerate(zip(params, num_output_tokens, faults))
         ]
 
-    def sample(self, logits: torch.Tensor, params: SamplingParams, num_output_tokens: int) -> int:
-        """logits [vocab] -> one token id (:data:`FAULT` for a model-fault row)."""
-        return self.sample_rows(logits.unsqueeze(0), [params], [num_output_tokens])[0]
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        num_output_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        num_prompt_tokens: int = 0,
+    ) -> int:
+        """logits [vocab] -> one token id (:data:`FAULT` for a model-fault row); ``token_ids``:
+        the prompt (its first ``num_prompt_tokens``) and output so far, for the penalties."""
+        return self.sample_rows(logits.unsqueeze(0), [params], [num_output_tokens], [token_ids], [num_prompt_tokens])[0]
 
     def _draw(self, logits: torch.Tensor, params: SamplingParams, num_output_tokens: int) -> int:
         """One draw from a non-greedy, fault-free row logits [vocab]."""
@@ -134,7 +157,8 @@ class Sampler:
     def sample_batched(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
     ) -> list[int]:
-        """logits [N, vocab] -> one token per row, every row at once where the logits are."""
+        """logits [N, vocab] -> one token per row, every row at once where the logits are. The
+        logits are sampled as given: the bias and penalties are :meth:`sample_rows`'s."""
         device = logits.device
         greedy = [p.greedy for p in params]
         row_max, best = torch.max(logits, dim=-1)  # [N], [N]

@@ -8,14 +8,15 @@ Types are strict where a coercion would hide a client bug: ``max_tokens: "16"`` 
 ``bool`` where an int belongs is a 400, not a silent conversion. Fields OpenAI defines
 that hybridkv cannot honour are accepted only at their neutral value (``n`` = 1,
 ``presence_penalty`` = 0, no ``logit_bias``, ...): any other value is a 400 that names
-the parameter (:func:`unsupported`). Unknown fields are ignored, as vLLM and OpenAI do.
+the parameter (:func:`unsupported`). ``n: null`` (generated clients send it) is 1. Unknown
+fields are ignored, as vLLM and OpenAI do.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 from hybridkv.errors import InvalidArgumentError
 
@@ -25,6 +26,7 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "StreamOptions",
+    "chat_echo",
     "chat_messages",
     "completion_prompt_list",
     "valid_text",
@@ -55,7 +57,7 @@ class _Sampling(_Model):
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
     stop_token_ids: Optional[list[StrictInt]] = None
     ignore_eos: StrictBool = False
-    n: StrictInt = 1
+    n: Optional[StrictInt] = 1  # null (generated clients send it): 1
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[StrictStr] = None
@@ -67,6 +69,13 @@ class _Sampling(_Model):
     best_of: Optional[StrictInt] = None
     min_tokens: Optional[StrictInt] = None
     use_beam_search: Optional[StrictBool] = None
+    # vLLM's: score the prompt, each token's logprob and this many top alternatives (0..20)
+    prompt_logprobs: Optional[StrictInt] = None
+
+    @field_validator("n", mode="after")
+    @classmethod
+    def _n_null_is_one(cls, value: int | None) -> int:
+        return 1 if value is None else value
 
 
 class CompletionRequest(_Sampling):
@@ -101,6 +110,9 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Optional[Any] = None
     response_format: Optional[dict[str, Any]] = None
     add_generation_prompt: StrictBool = True
+    # vLLM's: true and the last message's role is the reply's ("assistant"): its content starts
+    # the reply's content (:func:`chat_echo`)
+    echo: StrictBool = False
 
 
 #: parameter -> (its neutral value(s), why another value is refused)
@@ -113,7 +125,6 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "logit_bias": ((None,), "logit_bias is not supported"),
     "min_tokens": ((None, 0), "min_tokens is not supported"),
     "use_beam_search": ((None, False), "beam search is not supported"),
-    "echo": ((False,), "echo is not supported"),
     "suffix": ((None,), "suffix is not supported"),
     "tools": ((None,), "tool calling is not supported"),
     "tool_choice": ((None, "none"), "tool calling is not supported"),
@@ -190,6 +201,15 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         role = "system" if m.role == "developer" else m.role
         messages.append({"role": role, "content": valid_text(content or "", "messages", f"message {i}'s content")})
     return messages
+
+
+def chat_echo(req: ChatCompletionRequest, messages: list[dict]) -> str:
+    """What a chat reply starts with (vLLM's ``echo``): with ``echo`` true and the last rendered
+    message's role the reply's (``"assistant"``: hybridkv always adds the generation prompt),
+    that message's content; else the empty string. ``messages`` are :func:`chat_messages`'."""
+    if req.echo and messages and messages[-1]["role"] == "assistant":
+        return messages[-1]["content"]
+    return ""
 
 
 def wire_finish_reason(reason: str | None) -> str | None:

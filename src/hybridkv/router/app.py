@@ -5,6 +5,8 @@
 | POST /v1/completions       | routed (:class:`~hybridkv.router.router.Router`), passed through |
 | POST /v1/chat/completions  | the same                                                      |
 | GET  /v1/models            | the first replica up's answer                                 |
+| POST /tokenize, /detokenize | vLLM's tokenizer routes: a replica up's answer (no routing)  |
+| GET  /tokenizer_info       | the same                                                      |
 | GET  /health               | 200 while a replica is up, else 503                           |
 | GET  /router/replicas      | per replica: up, in flight, indexed blocks, resets, bad events |
 | GET  /metrics              | the router's Prometheus metrics                               |
@@ -230,6 +232,53 @@ def create_router_app(router: Router) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await proxy(request, "/v1/chat/completions", chat=True)
+
+    async def any_replica(request: Request, method: str, path: str) -> Response:
+        """The answer of the first replica up to the client's request, body byte for byte and
+        headers (its Authorization) passed on, with ``x-hybridkv-replica``: the tokenizer routes,
+        which any replica answers alike (they serve one model). A replica that refuses the
+        connection is marked down and the next one asked, as is one that fails mid-way (the
+        routes change nothing); none up: 503 with ``Retry-After``; all failing: 502."""
+        if router.stopping:
+            return shutting_down()
+        raw = await request.body() if method == "POST" else None
+        failed: list[str] = []
+        for r in router.candidates():
+            client = router.client
+            if router.stopping or client is None:
+                return shutting_down()
+            try:
+                resp = await client.request(method, f"{r.spec.url}{path}", content=raw, headers=_forwarded(request))
+            except Exception as exc:
+                if router.stopping:  # its client was closed under it
+                    return shutting_down()
+                if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    router.mark_down(r, f"connect: {exc.__class__.__name__}")
+                    continue
+                if not isinstance(exc, httpx.HTTPError):
+                    raise
+                failed.append(f"{r.name}: {exc.__class__.__name__}")
+                continue
+            headers = {"x-hybridkv-replica": r.name}
+            for key in ("content-type", "retry-after"):
+                if key in resp.headers:
+                    headers[key] = resp.headers[key]
+            return Response(resp.content, status_code=resp.status_code, headers=headers)
+        if failed:
+            return _error(502, f"replicas failed: {', '.join(failed)}", "server_error")
+        return _error(503, "no replica is up", "server_overloaded", {"Retry-After": str(router.config.retry_after)})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await any_replica(request, "POST", "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await any_replica(request, "POST", "/detokenize")
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        return await any_replica(request, "GET", "/tokenizer_info")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -28,7 +28,14 @@ class ScheduledRequest:
     ``num_computed_tokens .. num_computed_tokens + len(token_ids) - 1``.
     ``sample`` is True when the last of them is the request's last known token
     (prefill finished or a decode step), so the runner must return a new token.
-    ``num_output_tokens`` counts tokens sampled so far (seeded sampling uses it).
+    ``num_output_tokens`` counts tokens sampled so far (seeded sampling and ``min_tokens`` use it).
+
+    ``all_token_ids`` is the request's whole token list (prompt, then outputs) for the
+    penalties of its ``sampling`` (:attr:`SamplingParams.penalized`): a live reference to the
+    scheduler's list, not a copy, so it costs nothing per step. This step's history is its
+    first ``num_prompt_tokens + num_output_tokens`` entries (the list grows when the step's
+    token is appended: read it during the step only). None: no history given (a request
+    whose sampling is penalized then cannot sample). Left out of ``==`` and ``repr``.
     """
 
     request_id: str
@@ -38,6 +45,8 @@ class ScheduledRequest:
     sample: bool
     sampling: SamplingParams = field(default_factory=SamplingParams)
     num_output_tokens: int = 0
+    all_token_ids: Sequence[int] | None = field(default=None, compare=False, repr=False)
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

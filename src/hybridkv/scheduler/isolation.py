@@ -75,7 +75,7 @@ class FaultIsolation:
         kv, req = self.kv, seq.request
         if len(self.running) >= self.config.max_num_seqs:
             return None
-        hit_blocks, num_hit = kv.get_computed_blocks(req)
+        hit_blocks, num_hit = self._prefix_hit(seq)
         num_new = kv.align_num_new_tokens(req, num_hit, min(req.num_tokens - num_hit, budget),
                                           self.config.max_num_batched_tokens)
         if num_new == 0:

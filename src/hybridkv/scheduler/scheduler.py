@@ -197,7 +197,7 @@ class Scheduler(FaultIsolation):
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
                 req = seq.request
-                hit_blocks, num_hit = kv.get_computed_blocks(req)
+                hit_blocks, num_hit = self._prefix_hit(seq)
                 num_new = kv.align_num_new_tokens(req, num_hit, min(req.num_tokens - num_hit, budget),
                                                   self.config.max_num_batched_tokens)
                 if num_new == 0:  # its chunk cannot reach a state checkpoint this step: it waits
@@ -231,6 +231,8 @@ class Scheduler(FaultIsolation):
                     sample=end == req.num_tokens,
                     sampling=seq.sampling,
                     num_output_tokens=req.num_output_tokens,
+                    all_token_ids=req.all_token_ids,  # a reference, not a copy (the penalties read it)
+                    num_prompt_tokens=req.num_prompt_tokens,
                 )
             )
             req.num_computed_tokens = end
@@ -243,6 +245,13 @@ class Scheduler(FaultIsolation):
         self._finished_since_last = []
         self.step_count += 1
         return output
+
+    def _prefix_hit(self, seq: Sequence) -> tuple[KVCacheBlocks | None, int]:
+        """The waiting ``seq``'s prefix hit; none for a request that scores its prompt
+        (``SamplingParams.prompt_logprobs``: every prompt position is computed, as vLLM)."""
+        if seq.sampling.prompt_logprobs is not None:
+            return None, 0
+        return self.kv.get_computed_blocks(seq.request)
 
     def _admitted(self, seq: Sequence, num_hit: int, num_new: int, work: list) -> None:
         """``seq``, out of the waiting queue and holding its slots, starts running."""

@@ -11,6 +11,9 @@
 | GET  /health               | 200 while serving, 503 once shutting down                 |
 | GET  /metrics              | Prometheus text (:mod:`hybridkv.server.metrics`)          |
 | POST /kv_cache/peek        | the prefix-cache hit a prompt would get now (an oracle)   |
+| POST /tokenize             | vLLM's: a text's or a chat's token ids (and their count)  |
+| POST /detokenize           | vLLM's: token ids' text                                   |
+| GET  /tokenizer_info       | vLLM's: special tokens, chat template (404: no tokenizer) |
 
 The lifespan starts the engine thread and, at shutdown (after uvicorn has let open
 responses finish), aborts what is left, stops the thread and records the pool's free
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import Any, Callable, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,9 +44,11 @@ from hybridkv.protocol.disconnect import until_done_or_gone
 from hybridkv.protocol.errors import error_body, to_response
 from hybridkv.protocol.limits import BodyLimit, Offload, loads_json
 from hybridkv.protocol.openai import ChatCompletionRequest, CompletionRequest
+from hybridkv.protocol.tokenize import DetokenizeRequest, tokenize_request_model
 from hybridkv.server.async_llm import AsyncLLM
 from hybridkv.server.config import ServerConfig
 from hybridkv.server.serving import OpenAIServing
+from hybridkv.server.tokenization import OpenAIServingTokenization
 
 __all__ = ["create_app"]
 
@@ -70,16 +75,19 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{where}: {first.get('msg', 'invalid value')}{more}", param
 
 
-def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
+def parse_body(model: Union[type[BaseModel], Callable[[Any], type[BaseModel]]], raw: bytes) -> BaseModel:
     """The request body as ``model``, as FastAPI would parse it (errors: RequestValidationError
     with FastAPI's ``("body", ...)`` locations; InvalidArgumentError for malformed JSON). A worker
-    thread's job: a large body is never parsed on the event loop."""
+    thread's job: a large body is never parsed on the event loop. ``model`` may be a function
+    of the parsed JSON that picks the model (``/tokenize``: a text or a chat)."""
     if not raw.strip():
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     try:
         obj = loads_json(raw)
     except ValueError as exc:
         raise InvalidArgumentError(str(exc)) from None
+    if not isinstance(model, type):
+        model = model(obj)
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
@@ -95,6 +103,7 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
     """The app serving ``front``'s model as ``config.model_name`` (see the module docstring)."""
     offload = Offload()
     serving = OpenAIServing(front, config, offload)
+    tokenization = OpenAIServingTokenization(serving)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -108,6 +117,7 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
     app = FastAPI(title="hybridkv", version=__version__, lifespan=lifespan)
     app.state.front = front
     app.state.serving = serving
+    app.state.tokenization = tokenization
     app.state.config = config
     app.state.metrics = metrics
     app.state.final_blocks = None
@@ -168,6 +178,23 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
         except ValueError:
             return JSONResponse(error_body("malformed JSON body", "invalid_request_error"), status_code=400)
         return JSONResponse(await serving.peek(body))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await offload.run(parse_body, tokenize_request_model, await request.body())
+        return JSONResponse(await tokenization.tokenize(body))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await offload.run(parse_body, DetokenizeRequest, await request.body())
+        return JSONResponse(await tokenization.detokenize(body))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        info = tokenization.info()
+        if info is None:  # clients (lm-eval) then use their own tokenizer
+            return JSONResponse(error_body("this model has no tokenizer", "invalid_request_error"), status_code=404)
+        return JSONResponse(info)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -72,6 +72,8 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] | None = None
     final: CompletionOutput | None = None
     error: BaseException | None = None
+    #: the prompt's scores (``SamplingParams.prompt_logprobs``), in the prompt's first chunk
+    prompt_logprobs: tuple | None = None
 
 
 class Submission:
@@ -394,7 +396,7 @@ class AsyncLLM:
             final = self.llm.finish(live.text, out, stopped)
             self._finished(live, out, final.finish_reason)
         if final is not None or text or d.new_token_ids:
-            return Chunk(live.index, text, d.new_token_ids, lps, final)
+            return Chunk(live.index, text, d.new_token_ids, lps, final, prompt_logprobs=d.prompt_logprobs)
         return None
 
     def _fail_one(self, rid: str, live: _Live, exc: BaseException) -> Chunk:

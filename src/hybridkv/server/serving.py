@@ -16,14 +16,17 @@ into OpenAI error bodies):
 
 Only then does a response start: a JSON body, or server-sent events of OpenAI's chunk
 objects ending with ``data: [DONE]``. ``usage.prompt_tokens_details.cached_tokens`` is
-the prefix-cache hit of the request's prompts.
+the prefix-cache hit of the request's prompts. A completion's ``logprobs.text_offset`` is
+each token's character offset in the choice's whole text, streamed or not; a chat's
+``echo`` (vLLM's) starts the reply with the last message's content when that message is
+the assistant's (:func:`~hybridkv.protocol.openai.chat_echo`; streamed: in the first delta).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
+from dataclasses import replace
 import uuid
 from typing import Any, AsyncIterator
 
@@ -34,6 +37,7 @@ from hybridkv.protocol.limits import Offload
 from hybridkv.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
+    chat_echo,
     chat_messages,
     completion_prompt_list,
     unsupported,
@@ -42,6 +46,7 @@ from hybridkv.protocol.openai import (
 from hybridkv.sampling_params import SamplingParams, check_context
 from hybridkv.server.async_llm import AsyncLLM, Chunk, Submission, TokenLogprob
 from hybridkv.server.config import ServerConfig
+from hybridkv.server.logprobs import LogprobFormat
 from hybridkv.tokenizer.prompts import check_token_ids, encode_prompt, min_tokens
 
 __all__ = ["OpenAIServing", "sse"]
@@ -54,10 +59,6 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else -9999.0
-
-
 class OpenAIServing:
     """The two generation endpoints and ``/v1/models`` (see the module docstring)."""
 
@@ -67,6 +68,7 @@ class OpenAIServing:
         #: where tokenization runs: worker threads, never the event loop
         self.offload = offload if offload is not None else Offload()
         self.llm = front.llm
+        self.logprobs = LogprobFormat(self.llm.tokenizer)
         self.max_model_len = front.engine.max_model_len
         self.created = int(time.time())
 
@@ -196,46 +198,53 @@ class OpenAIServing:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise InvalidArgumentError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
         prompts = await self.offload.run(self.completion_prompts, req)  # tokenized off the event loop
+        score = _prompt_scoring(req, echo_logprobs=req.echo and req.logprobs is not None)
         params = [self._sampling(req, len(p), 16) for p in prompts]
+        if score is not None:
+            params = [replace(p, prompt_logprobs=score) for p in params]
         rid = f"cmpl-{uuid.uuid4().hex}"
         sub = await self.front.submit(prompts, params, logprobs=req.logprobs, request_id=rid)
+        echo = _Echo(self, req, prompts) if req.echo else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._stream(sub, rid, "text_completion", self._completion_choice, include_usage)
-        return await self._collect(sub, rid, "text_completion", chat=False)
+            offsets: dict[int, int] = {}  # per choice: the characters of its tokens' texts so far
 
-    def _completion_choice(self, chunk: Chunk, first: bool) -> dict:
-        return {
+            def choice(chunk: Chunk, first: bool) -> dict:
+                return self._completion_choice(chunk, offsets, req, echo if first else None)
+
+            return self._stream(sub, rid, "text_completion", choice, include_usage)
+        return await self._collect(sub, rid, "text_completion", chat=False, completion=(req, echo))
+
+    def _completion_choice(self, chunk: Chunk, offsets: dict[int, int], req: CompletionRequest,
+                           echo: "_Echo | None" = None) -> dict:
+        """A completion choice's chunk (or, with ``echo``, its first: the prompt before it);
+        ``text_offset`` goes on from the choice's earlier chunks (``offsets``, updated), so it
+        equals the non-streamed response's."""
+        prompt = echo.scores(chunk.index, chunk.prompt_logprobs) if echo is not None and req.logprobs is not None else None
+        logprobs = self.logprobs.completion(chunk.logprobs if req.logprobs is not None else None,
+                                            offsets.get(chunk.index, 0), prompt, req.logprobs or 0)
+        if logprobs is not None and logprobs["tokens"]:
+            offsets[chunk.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        out = {
             "index": chunk.index,
-            "text": chunk.text,
-            "logprobs": self._completion_logprobs(chunk.logprobs),
+            "text": (echo.text(chunk.index) if echo is not None else "") + chunk.text,
+            "logprobs": logprobs,
             "finish_reason": _reason(chunk.final),
             "stop_reason": _stop_reason(chunk.final),
         }
-
-    def _token_text(self, token_id: int) -> str:
-        tok = self.llm.tokenizer
-        return "" if tok is None else tok.decode([token_id], skip_special_tokens=False)
-
-    def _completion_logprobs(self, lps: tuple[TokenLogprob, ...] | None, offset: int = 0) -> dict | None:
-        if lps is None:
-            return None
-        tokens = [self._token_text(t.token_id) for t in lps]
-        offsets, at = [], offset
-        for text in tokens:
-            offsets.append(at)
-            at += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [_finite(t.logprob) for t in lps],
-            "top_logprobs": [{self._token_text(i): _finite(v) for i, v in t.top} for t in lps],
-            "text_offset": offsets,
-        }
+        if req.prompt_logprobs is not None and chunk.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.logprobs.prompt_logprobs(chunk.prompt_logprobs, req.prompt_logprobs)
+        return out
 
     # ------------------------------------------------------------ chat
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         # the tokenizer's ids fit the model's vocabulary (LLM checks it once, check_vocab)
         return self._encode(chat_messages(req), "messages")
+
+    def _chat_prompt_and_echo(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
+        """:meth:`chat_prompt` and what the reply starts with (``echo``; "" without)."""
+        messages = chat_messages(req)
+        return self._encode(messages, "messages"), chat_echo(req, messages)
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self._prepare(req)
@@ -245,37 +254,38 @@ class OpenAIServing:
             )
         if req.top_logprobs and not req.logprobs:
             raise InvalidArgumentError("top_logprobs needs logprobs=true", param="top_logprobs")
-        prompt = await self.offload.run(self.chat_prompt, req)  # rendered and tokenized off the event loop
+        prompt, echo = await self.offload.run(self._chat_prompt_and_echo, req)  # rendered and tokenized off the loop
         params = self._sampling(req, len(prompt), None)
+        score = _prompt_scoring(req, echo_logprobs=False)
+        if score is not None:
+            params = replace(params, prompt_logprobs=score)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         sub = await self.front.submit([prompt], [params], logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                       request_id=rid)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._stream(sub, rid, "chat.completion.chunk", self._chat_choice, include_usage)
-        return await self._collect(sub, rid, "chat.completion", chat=True)
 
-    def _chat_choice(self, chunk: Chunk, first: bool) -> dict:
-        delta: dict[str, Any] = {"role": "assistant", "content": chunk.text} if first else {}
+            def choice(chunk: Chunk, first: bool) -> dict:
+                return self._chat_choice(chunk, first, echo, req.prompt_logprobs)
+
+            return self._stream(sub, rid, "chat.completion.chunk", choice, include_usage)
+        return await self._collect(sub, rid, "chat.completion", chat=True, echo=echo, prompt_k=req.prompt_logprobs)
+
+    def _chat_choice(self, chunk: Chunk, first: bool, echo: str = "", prompt_k: int | None = None) -> dict:
+        """A streamed chat chunk: the first of a choice carries the role and ``echo`` before its text."""
+        delta: dict[str, Any] = {"role": "assistant", "content": echo + chunk.text} if first else {}
         if chunk.text and not first:
             delta["content"] = chunk.text
-        return {
+        out = {
             "index": chunk.index,
             "delta": delta,
-            "logprobs": self._chat_logprobs(chunk.logprobs),
+            "logprobs": self.logprobs.chat(chunk.logprobs),
             "finish_reason": _reason(chunk.final),
             "stop_reason": _stop_reason(chunk.final),
         }
-
-    def _chat_logprobs(self, lps: tuple[TokenLogprob, ...] | None) -> dict | None:
-        if lps is None:
-            return None
-
-        def entry(token_id: int, value: float) -> dict:
-            text = self._token_text(token_id)
-            return {"token": text, "logprob": _finite(value), "bytes": list(text.encode("utf-8"))}
-
-        return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]} for t in lps]}
+        if prompt_k is not None and chunk.prompt_logprobs is not None:  # vLLM's, in a choice's first chunk
+            out["prompt_logprobs"] = self.logprobs.prompt_logprobs(chunk.prompt_logprobs, prompt_k)
+        return out
 
     # ------------------------------------------------------------ responses
     async def _stream(self, sub: Submission, rid: str, obj: str, choice, include_usage: bool) -> AsyncIterator[str]:
@@ -301,10 +311,14 @@ class OpenAIServing:
         finally:
             sub.close()
 
-    async def _collect(self, sub: Submission, rid: str, obj: str, chat: bool) -> dict:
+    async def _collect(self, sub: Submission, rid: str, obj: str, chat: bool, echo: str = "",
+                       completion: tuple | None = None, prompt_k: int | None = None) -> dict:
+        """The whole response of ``sub`` (chat: ``echo`` starts each reply; completions:
+        ``completion`` is (the request, its :class:`_Echo` or None))."""
         texts: dict[int, list[str]] = {}
         lps: dict[int, list[TokenLogprob] | None] = {}
         finals: dict[int, Any] = {}
+        scored: dict[int, tuple] = {}
         try:
             async for chunk in sub:
                 if chunk.error is not None:
@@ -312,6 +326,8 @@ class OpenAIServing:
                 texts.setdefault(chunk.index, []).append(chunk.text)
                 if chunk.logprobs is not None:
                     lps.setdefault(chunk.index, []).extend(chunk.logprobs)
+                if chunk.prompt_logprobs is not None:
+                    scored[chunk.index] = chunk.prompt_logprobs
                 if chunk.final is not None:
                     finals[chunk.index] = chunk.final
         finally:
@@ -320,15 +336,49 @@ class OpenAIServing:
         for i in sorted(finals):
             out, text = finals[i], "".join(texts.get(i, []))
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": self._chat_logprobs(tuple(lps[i])) if i in lps else None,
+                choices.append({"index": i, "message": {"role": "assistant", "content": echo + text},
+                                "logprobs": self.logprobs.chat(tuple(lps[i])) if i in lps else None,
                                 "finish_reason": _reason(out), "stop_reason": _stop_reason(out)})
+                if prompt_k is not None:
+                    choices[-1]["prompt_logprobs"] = self.logprobs.prompt_logprobs(scored.get(i), prompt_k)
             else:
-                choices.append({"index": i, "text": text,
-                                "logprobs": self._completion_logprobs(tuple(lps[i])) if i in lps else None,
-                                "finish_reason": _reason(out), "stop_reason": _stop_reason(out)})
+                req, prompt_echo = completion
+                whole = Chunk(i, text, out.token_ids, tuple(lps.get(i, ())), out, prompt_logprobs=scored.get(i))
+                choices.append(self._completion_choice(whole, {}, req, prompt_echo))
         return {"id": rid, "object": obj, "created": int(time.time()), "model": self.config.model_name,
                 "choices": choices, "usage": _usage(list(finals.values()))}
+
+
+class _Echo:
+    """A completions request's ``echo``: each prompt's text, and its tokens with their scores."""
+
+    def __init__(self, serving: OpenAIServing, req: CompletionRequest, prompts: list[list[int]]) -> None:
+        texts = completion_prompt_list(req)
+        self.prompts = prompts
+        # a text prompt is echoed as sent; token ids as their text (special tokens kept)
+        self._texts = [t if isinstance(t, str) else serving.logprobs.text(ids)
+                       for t, ids in zip(texts, prompts)]
+
+    def text(self, index: int) -> str:
+        return self._texts[index]
+
+    def scores(self, index: int, scored: tuple | None) -> tuple:
+        """(the prompt's token ids, their scores): ``scored`` (None for the first), or Nones
+        where the prompt was not scored."""
+        ids = self.prompts[index]
+        return ids, scored if scored is not None else (None,) * len(ids)
+
+
+def _prompt_scoring(req, echo_logprobs: bool) -> int | None:
+    """The top-k the engine scores the prompt with: vLLM's ``prompt_logprobs``, and the
+    completions' ``logprobs`` when ``echo`` shows the prompt's; None: no scoring."""
+    wanted = [k for k in (req.prompt_logprobs, req.logprobs if echo_logprobs else None) if k is not None]
+    if not wanted:
+        return None
+    k = max(wanted)
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise InvalidArgumentError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {k}", param="prompt_logprobs")
+    return k
 
 
 def _reason(final) -> str | None:
