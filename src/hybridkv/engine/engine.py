@@ -190,6 +190,7 @@ class LLMEngine:
         if not isinstance(rid, str):
             raise InvalidArgumentError(f"a request id must be a str, got {rid!r:.60}")
         sampling = (sampling or SamplingParams()).with_eos(self.eos_token_ids)
+        sampling.check_vocab(self.model.vocab_size)
         self.scheduler.add_request(rid, prompt, sampling)
         self._progress[rid] = Progress(time.perf_counter(), sampling.prompt_logprobs is not None)
         return rid

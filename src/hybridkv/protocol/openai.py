@@ -6,9 +6,9 @@ anything reaches the engine. Responses are built as plain dicts in
 
 Types are strict where a coercion would hide a client bug: ``max_tokens: "16"`` or a
 ``bool`` where an int belongs is a 400, not a silent conversion. Fields OpenAI defines
-that hybridkv cannot honour are accepted only at their neutral value (``n`` = 1,
-``presence_penalty`` = 0, no ``logit_bias``, ...): any other value is a 400 that names
-the parameter (:func:`unsupported`). ``n: null`` (generated clients send it) is 1. Unknown
+that hybridkv cannot honour yet are accepted only at their neutral value (``n`` = 1, no
+``suffix``, no tools, ...): any other value is a 400 that names the parameter
+(:func:`unsupported`). ``n: null`` (generated clients send it) is 1. Unknown
 fields are ignored, as vLLM and OpenAI do.
 """
 
@@ -61,7 +61,7 @@ class _Sampling(_Model):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[StrictStr] = None
-    # accepted only at their neutral values (see ``unsupported``)
+    # vLLM's definitions (SamplingParams); logit_bias keys are token ids as strings (OpenAI's)
     presence_penalty: Optional[Number] = None
     frequency_penalty: Optional[Number] = None
     repetition_penalty: Optional[Number] = None
@@ -119,11 +119,6 @@ class ChatCompletionRequest(_Sampling):
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((1,), "only n=1 is supported"),
     "best_of": ((None, 1), "only best_of=1 is supported"),
-    "presence_penalty": ((None, 0, 0.0), "penalties are not supported"),
-    "frequency_penalty": ((None, 0, 0.0), "penalties are not supported"),
-    "repetition_penalty": ((None, 1, 1.0), "penalties are not supported"),
-    "logit_bias": ((None,), "logit_bias is not supported"),
-    "min_tokens": ((None, 0), "min_tokens is not supported"),
     "use_beam_search": ((None, False), "beam search is not supported"),
     "suffix": ((None,), "suffix is not supported"),
     "tools": ((None,), "tool calling is not supported"),

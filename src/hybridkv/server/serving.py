@@ -114,7 +114,13 @@ class OpenAIServing:
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 stop=() if req.stop is None else req.stop,
+                presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+                frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=req.logit_bias,
+                min_tokens=req.min_tokens or 0,
             )
+            params.check_vocab(self.llm.model.vocab_size)
         except InvalidArgumentError as exc:  # name the field the client sent
             if exc.param == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
                 exc.param = "max_completion_tokens"
