@@ -15,7 +15,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hybridkv"
 #: package -> the packages it may import (besides itself). Low to high.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
-    "sampling_params": {"errors"},
+    "structured_outputs": {"errors"},
+    "sampling_params": {"errors", "structured_outputs"},
     "core": {"errors"},
     "checkpoint": {"errors"},
     "tokenizer": {"checkpoint", "errors"},
@@ -23,12 +24,13 @@ ALLOWED: dict[str, set[str]] = {
     "scheduler": {"core", "errors", "sampling_params"},
     "protocol": {"core", "errors"},
     "engine_config": {"core", "errors", "scheduler"},
-    "engine": {"core", "planner", "scheduler", "checkpoint", "tokenizer", "errors", "sampling_params", "engine_config"},
+    "engine": {"core", "planner", "scheduler", "checkpoint", "tokenizer", "errors", "sampling_params", "engine_config",
+               "structured_outputs"},
     "router": {"core", "errors", "protocol", "tokenizer", "__init__"},  # __init__: __version__
     "server": {"engine", "engine_config", "core", "planner", "scheduler", "checkpoint", "tokenizer", "errors", "sampling_params",
-               "protocol", "__init__"},
+               "structured_outputs", "protocol", "__init__"},
     "cli": {"engine", "engine_config", "core", "planner", "scheduler", "checkpoint", "tokenizer", "errors", "sampling_params",
-            "protocol", "server", "router", "__init__"},
+            "structured_outputs", "protocol", "server", "router", "__init__"},
     "__init__": {"core", "planner", "errors"},
     "__main__": {"cli"},
 }

@@ -13,8 +13,12 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from hybridkv.errors import InvalidArgumentError, PromptTooLongError
+from hybridkv.structured_outputs import StructuredOutputsParams
 
-__all__ = ["GREEDY_BELOW", "LOGIT_BIAS_MAX", "MAX_LOGPROBS", "PENALTY_MAX", "SamplingParams", "check_context"]
+__all__ = ["GREEDY_BELOW", "LOGIT_BIAS_MAX", "MAX_LOGPROBS", "MAX_N", "PENALTY_MAX", "SamplingParams", "check_context"]
+
+#: the most samples of one prompt a request may ask for
+MAX_N = 128
 
 #: the most alternatives per position a request may ask for (vLLM's default ``max_logprobs``)
 MAX_LOGPROBS = 20
@@ -136,12 +140,19 @@ class SamplingParams:
     #: score the prompt: each prompt token's logprob and this many top alternatives (0..20; None:
     #: off; vLLM's ``prompt_logprobs``). Such a request computes its whole prompt (no prefix hit).
     prompt_logprobs: int | None = None
+    #: samples per prompt (OpenAI's ``n``): the text fronts (``LLM``, ``serve``) make ``n``
+    #: requests with seeds ``seed``, ``seed + 1``, ... sharing the prompt's computed blocks
+    n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     #: (token id, bias) pairs sorted by id; given as a mapping (see the class docstring)
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    #: what the output must match (vLLM's ``structured_outputs``: a JSON schema, any JSON object, a
+    #: regex, a choice or a grammar; None: free). The engine masks each step's disallowed tokens
+    #: after the adjustments above, before temperature, top-k and top-p (:mod:`hybridkv.engine.structured`)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -171,6 +182,8 @@ class SamplingParams:
         if any(not isinstance(t, str) or not t for t in strings):
             raise InvalidArgumentError(f"stop must be non-empty strings, got {self.stop!r:.80}", param="stop")
         object.__setattr__(self, "stop", tuple(dict.fromkeys(strings)))
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise InvalidArgumentError(f"n must be an int in [1, {MAX_N}], got {self.n!r}", param="n")
         k = self.prompt_logprobs
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
             raise InvalidArgumentError(f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {k!r}",
@@ -192,6 +205,10 @@ class SamplingParams:
         if n > self.max_tokens:
             raise InvalidArgumentError(f"min_tokens must be at most max_tokens={self.max_tokens}, got {n}",
                                        param="min_tokens")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            so = StructuredOutputsParams.from_dict(so)  # vLLM's dict form; InvalidArgumentError(param="structured_outputs")
+            object.__setattr__(self, "structured_outputs", so)
 
     @property
     def greedy(self) -> bool:
@@ -212,6 +229,18 @@ class SamplingParams:
                 f"logit_bias names token ids {outside[:8]}{' ...' if len(outside) > 8 else ''} outside the "
                 f"vocabulary of {vocab_size} tokens", param="logit_bias",
             )
+
+    def samples(self) -> list["SamplingParams"]:
+        """The ``n`` one-sequence params of these (``n`` = 1 each; seeds ``seed + i`` when set),
+        for ``n`` requests of one prompt queued in a row. The prompt is then computed once,
+        through the prefix cache: the first request's prefill chunks use the whole step budget
+        but the last, so the others are admitted in the step of its last chunk or later, and
+        hit the blocks it caches at scheduling (a state group's checkpoint from the next step);
+        each computes only what the hit leaves, at most a block (``num_hit`` is whole blocks of
+        at most ``P - 1`` tokens). Admission counts the hit, as for any prefix hit."""
+        if self.n == 1:
+            return [self]
+        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)]
 
     def with_eos(self, eos_token_ids: Sequence[int]) -> "SamplingParams":
         """These params with the model's EOS ids added to ``stop_token_ids`` (self if

@@ -41,6 +41,10 @@ slices, and its values come once, complete, in the step of its first token
 (:attr:`RequestDelta.prompt_logprobs`, :attr:`RequestOutput.prompt_logprobs`), however often
 it was preempted and recomputed.
 
+``SamplingParams(structured_outputs=...)`` keeps a request's tokens inside a grammar (a JSON
+schema, a regex, a choice, a Lark grammar: :mod:`hybridkv.engine.structured`); one that does
+not compile is refused by ``add_request``.
+
 Bad input is refused before any state changes: token ids outside the vocabulary,
 empty prompts and prompts longer than ``max_model_len`` raise typed errors from
 ``add_request``; a pool too small for a request raises ``PoolTooSmallError`` there.
@@ -72,8 +76,9 @@ from hybridkv.engine.models.quantize import check_quantization
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.outputs import Progress, RequestDelta, RequestOutput, prompt_scores
 from hybridkv.engine.state_runner import StateRunner
+from hybridkv.engine.structured import StructuredOutputs
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, UnknownRequestError
-from hybridkv.tokenizer.prompts import check_token_ids
+from hybridkv.tokenizer.prompts import check_token_ids, checkpoint_tokenizer
 from hybridkv.planner.grouping import Grouping
 from hybridkv.planner.sizes import parse_bytes
 from hybridkv.sampling_params import SamplingParams
@@ -171,6 +176,11 @@ class LLMEngine:
                                        attention_backend=self.attention_backend, decode_graphs=self.decode_graphs)
         #: where requests stop unless they ask ``ignore_eos`` (config.json + generation_config.json)
         self.eos_token_ids: tuple[int, ...] = m.eos_token_ids
+        #: ``SamplingParams.structured_outputs``: grammars and per-request matchers; the runner masks with them
+        #: (:mod:`hybridkv.engine.structured`; the checkpoint's tokenizer unless the text front sets its own)
+        self.structured = StructuredOutputs(m.vocab_size, self.eos_token_ids,
+                                            lambda: checkpoint_tokenizer(m.source, m.vocab_size))
+        self.runner.structured = self.structured
         self._ids = itertools.count()
         self._progress: dict[str, Progress] = {}
         self._usage = UsageTracker((g.spec for g in self.grouping.groups), (len(g.layers) for g in self.grouping.groups))
@@ -179,7 +189,10 @@ class LLMEngine:
     def add_request(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
-        """Queue a prompt; returns its request id. Bad input raises before anything is queued."""
+        """Queue a prompt; returns its request id. Bad input raises before anything is queued.
+
+        One request is one sequence: ``sampling.n`` must be 1 (the text fronts queue ``n``
+        requests of the prompt, one after another: see :meth:`SamplingParams.samples`)."""
         prompt = list(prompt_token_ids)
         check_token_ids(prompt, self.model.vocab_size)
         if not prompt:
@@ -191,7 +204,14 @@ class LLMEngine:
             raise InvalidArgumentError(f"a request id must be a str, got {rid!r:.60}")
         sampling = (sampling or SamplingParams()).with_eos(self.eos_token_ids)
         sampling.check_vocab(self.model.vocab_size)
+        if sampling.n != 1:
+            raise InvalidArgumentError(f"an engine request is one sequence; got n={sampling.n} (add n requests "
+                                       "of the prompt: SamplingParams.samples())", param="n")
+        so = sampling.structured_outputs
+        matcher = None if so is None else self.structured.matcher(so)  # a bad grammar raises here
         self.scheduler.add_request(rid, prompt, sampling)
+        if matcher is not None:
+            self.structured.start(rid, matcher, sampling)
         self._progress[rid] = Progress(time.perf_counter(), sampling.prompt_logprobs is not None)
         return rid
 
@@ -211,6 +231,7 @@ class LLMEngine:
         """The finished ``seq``'s output; forgets its progress."""
         r = seq.request
         progress = self._progress.pop(r.request_id)
+        self.structured.drop(r.request_id)
         return RequestOutput(
             r.request_id,
             tuple(r.all_token_ids[: r.num_prompt_tokens]),
@@ -256,6 +277,8 @@ class LLMEngine:
             scores.update(zip(range(first, first + len(values)), values))
         faults = self.runner.row_faults
         finished = {seq.request_id: seq for seq in sched.update_from_output(output, sampled, faults)}
+        if len(self.structured):  # feed the matchers their tokens; end the requests whose grammar ended
+            self.structured.advance(sched, sampled, finished)
         now = time.perf_counter()
         deltas = []
         for sr in output.scheduled:
@@ -276,7 +299,8 @@ class LLMEngine:
                 progress.scores = None
             done = None
             if sr.request_id in finished:
-                done = self._output(seq, now, NOT_NUMBERS if sr.request_id in faults else None)
+                why = self.structured.errors.get(sr.request_id) or (NOT_NUMBERS if sr.request_id in faults else None)
+                done = self._output(seq, now, why)
             if new or done is not None:
                 deltas.append(RequestDelta(sr.request_id, new, done, scored))
         if not sched.has_unfinished_requests():  # idle: torch gets the cores back (a quantized decode lent them out)

@@ -63,7 +63,7 @@ class TextDelta:
     multi-byte character or a possible stop string is held back) and new token ids;
     ``output`` is set in the prompt's last delta."""
 
-    index: int  # the prompt's position in the call
+    index: int  # the position of the prompt (of its sample, with n > 1) in the call
     request_id: str
     text: str
     token_ids: tuple[int, ...]
@@ -129,6 +129,7 @@ class LLM:
             check_vocab(tokenizer, vocab)
         #: None: the model has no tokenizer (token-id prompts only)
         self.tokenizer = tokenizer
+        self.engine.structured.set_tokenizer(tokenizer)  # grammars compile against this one
         eos = () if tokenizer is None else tuple(tokenizer.eos_token_ids)
         #: ids that end a request unless it asks ``ignore_eos``: the model's and the tokenizer's
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(self.engine.eos_token_ids + eos))
@@ -154,6 +155,8 @@ class LLM:
         self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> Iterator[TextDelta]:
         """Run ``prompts`` batched; an iterator of each prompt's new text as the engine produces it.
+        With ``n`` > 1 a prompt's samples come in a row: sample ``j`` of prompt ``i`` is index
+        ``i * n + j`` (each prompt's own ``n``, prompt after prompt).
 
         Every prompt is encoded and queued now, before the iterator is returned: a bad one
         raises here and none stays queued. Closing the iterator early aborts the prompts
@@ -173,9 +176,12 @@ class LLM:
             check_context(len(ids), sp.max_tokens, self.engine.max_model_len)
         streams: dict[str, TextStream] = {}
         try:
-            for i, (ids, sp) in enumerate(zip(encoded, params)):
-                rid = self.engine.add_request(ids, sp)
-                streams[rid] = TextStream(i, rid, ids, self.tokenizer, sp)
+            index = 0
+            for ids, sp in zip(encoded, params):
+                for sample in sp.samples():  # n > 1: n requests of the prompt in a row
+                    rid = self.engine.add_request(ids, sample)
+                    streams[rid] = TextStream(index, rid, ids, self.tokenizer, sample)
+                    index += 1
         except BaseException:
             for rid in streams:
                 self.engine.abort_request(rid)
@@ -207,7 +213,8 @@ class LLM:
     def generate(
         self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[CompletionOutput]:
-        """Run ``prompts`` batched to the end; one output per prompt, in prompt order."""
+        """Run ``prompts`` batched to the end; one output per prompt (``n`` per prompt with
+        ``n`` > 1, prompt after prompt), in prompt order."""
         outputs: dict[int, CompletionOutput] = {}
         for delta in self.stream(prompts, sampling):
             if delta.output is not None:

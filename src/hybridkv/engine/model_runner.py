@@ -14,6 +14,8 @@ the :class:`PagedKVStorage`. A step:
 ``last_logits`` keeps those logits (``{request_id: [vocab]}``) for tests. A request whose
 logits are a model fault (``nan``, ``+inf``, nothing above ``-inf``: see
 :mod:`hybridkv.engine.sampling`) gets no token; it is in ``row_faults`` until the next step.
+A request with a grammar samples under its token mask (``structured``:
+:mod:`hybridkv.engine.structured`); a matcher in an error state makes its row a fault row.
 
 A model with linear-attention layers (Qwen3-Next, Qwen3.5) runs with a
 :class:`~hybridkv.engine.state_runner.StateRunner`: its state groups' tables become the
@@ -38,6 +40,7 @@ from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.prompt_logprobs import chunk_targets, prompt_logprobs as score_prompt
 from hybridkv.engine.sampling import FAULT, Sampler
 from hybridkv.engine.state_runner import StateRunner
+from hybridkv.engine.structured import StructuredOutputs
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 from hybridkv.scheduler.interface import SchedulerOutput
 
@@ -124,6 +127,8 @@ class PagedModelRunner:
         self.row_faults: set[str] = set()
         #: the last step's prompt scores: request id -> (first position, [PromptLogprob])
         self.last_prompt_logprobs: dict[str, tuple[int, list]] = {}
+        #: the engine's structured outputs: the token masks of the rows that have a grammar (None: none)
+        self.structured: StructuredOutputs | None = None
         self.device = storage.device
         #: a step's ints reach a CUDA device through pinned memory, with no host synchronisation
         self.stager = PinnedStager(self.device) if self.device.type == "cuda" else None
@@ -224,11 +229,13 @@ class PagedModelRunner:
         after its bias, ``min_tokens`` and penalties (over its ``all_token_ids``: the sampler's
         :func:`~hybridkv.engine.penalties.apply_penalties`); ``last_logits`` keeps the model's
         logits. A ``logit_bias`` id outside the vocabulary raises InvalidArgumentError (the step
-        is rolled back and that request ends with an error)."""
+        is rolled back and that request ends with an error). Rows with a grammar sample under
+        its mask (:meth:`StructuredOutputs.masks`)."""
         chosen = [reqs[i] for i in sampled]
+        allowed = self.structured.masks(chosen) if self.structured is not None else None
         tokens = self.sampler.sample_rows(
             logits, [r.sampling for r in chosen], [r.num_output_tokens for r in chosen],
-            [r.all_token_ids for r in chosen], [r.num_prompt_tokens for r in chosen],
+            [r.all_token_ids for r in chosen], [r.num_prompt_tokens for r in chosen], allowed=allowed,
         )
         result: dict[str, int] = {}
         for row, (r, token) in enumerate(zip(chosen, tokens)):

@@ -38,6 +38,7 @@ from typing import Sequence
 import torch
 
 from hybridkv.engine.penalties import apply_penalties
+from hybridkv.engine.structured import mask_logits
 from hybridkv.sampling_params import SamplingParams
 
 __all__ = ["FAULT", "Sampler", "filtered_probs", "step_seed"]
@@ -112,16 +113,22 @@ class Sampler:
         num_output_tokens: Sequence[int],
         token_ids: Sequence[Sequence[int] | None] | None = None,
         num_prompt_tokens: Sequence[int] | None = None,
+        allowed: tuple[Sequence[int], torch.Tensor] | None = None,
     ) -> list[int]:
         """logits [N, vocab] -> one token per row (:data:`FAULT` for a model-fault row); all
         greedy rows in one ``max``, which also finds the fault rows.
 
         Each row's bias, ``min_tokens`` and penalties first (:func:`apply_penalties`: row ``i``'s
         history is ``token_ids[i]``, its first ``num_prompt_tokens[i]`` ids the prompt; only
-        penalized rows need one). Rows are drawn in order, so unseeded draws come out as from
+        penalized rows need one). Then ``allowed`` (rows, their token bitmask: a grammar's, from
+        :meth:`~hybridkv.engine.structured.StructuredOutputs.masks`): ``-inf`` at each token those
+        rows may not take (:func:`~hybridkv.engine.structured.mask_logits`), before either path.
+        Rows are drawn in order, so unseeded draws come out as from
         :meth:`sample` row by row (on the CPU path; batched on a device: :meth:`sample_batched`).
         """
         logits = apply_penalties(logits, params, num_output_tokens, token_ids, num_prompt_tokens)  # [N, vocab]
+        if allowed is not None:
+            logits = mask_logits(logits, *allowed)
         if self.on_device or logits.device.type != "cpu":
             return self.sample_batched(logits, params, num_output_tokens)
         row_max, best = torch.max(logits, dim=-1)  # [N], [N]

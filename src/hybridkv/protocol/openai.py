@@ -6,8 +6,8 @@ anything reaches the engine. Responses are built as plain dicts in
 
 Types are strict where a coercion would hide a client bug: ``max_tokens: "16"`` or a
 ``bool`` where an int belongs is a 400, not a silent conversion. Fields OpenAI defines
-that hybridkv cannot honour yet are accepted only at their neutral value (``n`` = 1, no
-``suffix``, no tools, ...): any other value is a 400 that names the parameter
+that hybridkv cannot honour yet are accepted only at their neutral value (``best_of`` = 1,
+no ``suffix``, no tools, ...): any other value is a 400 that names the parameter
 (:func:`unsupported`). ``n: null`` (generated clients send it) is 1. Unknown
 fields are ignored, as vLLM and OpenAI do.
 """
@@ -29,6 +29,7 @@ __all__ = [
     "chat_echo",
     "chat_messages",
     "completion_prompt_list",
+    "structured_outputs_of",
     "valid_text",
     "unsupported",
     "wire_finish_reason",
@@ -71,6 +72,10 @@ class _Sampling(_Model):
     use_beam_search: Optional[StrictBool] = None
     # vLLM's: score the prompt, each token's logprob and this many top alternatives (0..20)
     prompt_logprobs: Optional[StrictInt] = None
+    # OpenAI's (``json_object``, ``json_schema``; ``text`` is neutral) and vLLM's ``structured_outputs``
+    # (``{"json" | "json_object" | "regex" | "choice" | "grammar": ...}``): :func:`structured_outputs_of`
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
     @field_validator("n", mode="after")
     @classmethod
@@ -108,7 +113,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[StrictInt] = None  # OpenAI's newer name for max_tokens
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
-    response_format: Optional[dict[str, Any]] = None
     add_generation_prompt: StrictBool = True
     # vLLM's: true and the last message's role is the reply's ("assistant"): its content starts
     # the reply's content (:func:`chat_echo`)
@@ -117,8 +121,7 @@ class ChatCompletionRequest(_Sampling):
 
 #: parameter -> (its neutral value(s), why another value is refused)
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "only n=1 is supported"),
-    "best_of": ((None, 1), "only best_of=1 is supported"),
+    "best_of": ((None, 1), "best_of > 1 is not supported (as in vLLM's V1 engine; n samples are)"),
     "use_beam_search": ((None, False), "beam search is not supported"),
     "suffix": ((None,), "suffix is not supported"),
     "tools": ((None,), "tool calling is not supported"),
@@ -127,10 +130,7 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
 
 
 def unsupported(request: _Model) -> tuple[str, str] | None:
-    """The first parameter set to a value hybridkv cannot honour, and why; None if none.
-
-    ``response_format`` is allowed only as ``{"type": "text"}``.
-    """
+    """The first parameter set to a value hybridkv cannot honour, and why; None if none."""
     for name, (neutral, why) in _NEUTRAL.items():
         if name in type(request).model_fields:
             value = getattr(request, name)
@@ -138,10 +138,43 @@ def unsupported(request: _Model) -> tuple[str, str] | None:
                 value is None and None in neutral
             ):
                 return name, f"{why} (got {name}={value!r:.60})"
-    fmt = getattr(request, "response_format", None)
-    if fmt is not None and fmt.get("type") != "text":
-        return "response_format", f"only response_format type 'text' is supported (got {fmt!r:.60})"
     return None
+
+
+def structured_outputs_of(request: _Sampling) -> tuple[dict[str, Any], str] | None:
+    """What the request's output must match, as ``StructuredOutputsParams`` fields (vLLM's), and
+    the parameter that said it (``"response_format"`` or ``"structured_outputs"``, for the error
+    that names it); None: free text. OpenAI's ``response_format``: ``{"type": "text"}`` (free),
+    ``{"type": "json_object"}`` (any JSON object), ``{"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", ...}}`` (the schema, enforced as given whatever ``strict`` says;
+    no ``schema``: any JSON object). A bad shape, another type, or both parameters set: an
+    InvalidArgumentError naming the parameter. Whether the schema compiles is the engine's check."""
+    fmt, so = request.response_format, request.structured_outputs
+    fields: dict[str, Any] | None = None
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            fields = {"json_object": True}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict):
+                raise InvalidArgumentError("response_format json_schema must be an object with a schema",
+                                           param="response_format")
+            if not isinstance(spec.get("strict", False), (bool, type(None))):
+                raise InvalidArgumentError("response_format json_schema.strict must be a boolean", param="response_format")
+            schema = spec.get("schema")
+            if schema is not None and not isinstance(schema, (dict, bool)):
+                raise InvalidArgumentError("response_format json_schema.schema must be a JSON schema object",
+                                           param="response_format")
+            fields = {"json_object": True} if schema is None else {"json": schema}
+        elif kind != "text":
+            raise InvalidArgumentError(f"response_format type must be 'text', 'json_object' or 'json_schema', got "
+                                       f"{kind!r:.40}", param="response_format")
+    if fields is not None and so is not None:
+        raise InvalidArgumentError("give response_format or structured_outputs, not both", param="structured_outputs")
+    if fields is not None:
+        return fields, "response_format"
+    return (so, "structured_outputs") if so is not None else None
 
 
 def valid_text(text: str, param: str, where: str) -> str:

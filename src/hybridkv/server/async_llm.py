@@ -15,7 +15,8 @@ thread steps while any request is unfinished and sleeps on an event otherwise. M
 compute runs outside the event loop, so streaming and new connections stay responsive.
 
 A submission is one HTTP request: one or more prompts that share a queue (chunks carry
-the prompt's index). Its prompts are added to the engine together or not at all: a bad
+the prompt's index); ``n`` samples of a prompt are ``n`` of them in a row (its prompt is
+computed once: see :meth:`~hybridkv.sampling_params.SamplingParams.samples`). Its prompts are added to the engine together or not at all: a bad
 one (too long, a pool that can never hold it) fails the whole submission with the
 engine's typed error, before any chunk. :meth:`Submission.close` (a client that went
 away) aborts whatever of it still runs: the engine frees its blocks before its next step.

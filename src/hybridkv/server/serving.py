@@ -11,7 +11,9 @@ into OpenAI error bodies):
 3. the context: ``max_tokens`` >= 1 and prompt + ``max_tokens`` <= ``max_model_len``
    (the default ``max_tokens`` is 16 for completions, as OpenAI; the rest of the
    context for chat, as vLLM);
-4. :class:`SamplingParams` from the request, each range checked with the parameter's name;
+4. :class:`SamplingParams` from the request, each range checked with the parameter's name
+   (a ``response_format`` / ``structured_outputs`` grammar compiled: one that does not is a
+   400 naming the field it came in);
 5. :meth:`AsyncLLM.submit`, which raises the engine's own refusals (a pool too small).
 
 Only then does a response start: a JSON body, or server-sent events of OpenAI's chunk
@@ -40,18 +42,18 @@ from hybridkv.protocol.openai import (
     chat_echo,
     chat_messages,
     completion_prompt_list,
+    structured_outputs_of,
     unsupported,
-    wire_finish_reason,
 )
-from hybridkv.sampling_params import SamplingParams, check_context
+from hybridkv.sampling_params import MAX_LOGPROBS, SamplingParams, check_context
 from hybridkv.server.async_llm import AsyncLLM, Chunk, Submission, TokenLogprob
 from hybridkv.server.config import ServerConfig
 from hybridkv.server.logprobs import LogprobFormat
+from hybridkv.server.responses import Echo, prompt_scoring, stop_reason, usage, wire_reason
 from hybridkv.tokenizer.prompts import check_token_ids, encode_prompt, min_tokens
 
 __all__ = ["OpenAIServing", "sse"]
 
-MAX_LOGPROBS = 20
 
 
 def sse(obj: Any) -> str:
@@ -104,6 +106,7 @@ class OpenAIServing:
         if max_tokens is None:
             room = self.max_model_len - prompt_len
             max_tokens = room if default_max is None else min(default_max, room)
+        structured = structured_outputs_of(req)  # (fields, the parameter that gave them) or None
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
@@ -119,11 +122,16 @@ class OpenAIServing:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 logit_bias=req.logit_bias,
                 min_tokens=req.min_tokens or 0,
+                structured_outputs=None if structured is None else structured[0],
             )
             params.check_vocab(self.llm.model.vocab_size)
+            if params.structured_outputs is not None:  # compiled (and cached) here: a bad schema is a 400
+                self.llm.engine.structured.matcher(params.structured_outputs)
         except InvalidArgumentError as exc:  # name the field the client sent
             if exc.param == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
                 exc.param = "max_completion_tokens"
+            if exc.param == "structured_outputs" and structured is not None:
+                exc.param = structured[1]
             raise
         check_context(prompt_len, params.max_tokens, self.max_model_len)
         if params.stop and self.llm.tokenizer is None:
@@ -187,6 +195,17 @@ class OpenAIServing:
         [ids] = self.completion_prompts(req)
         return ids
 
+    def _n(self, req, num_prompts: int) -> int:
+        """The request's ``n`` (``null``: 1): an int >= 1 whose samples of all prompts fit
+        ``max_prompts_per_request``."""
+        n = 1 if req.n is None else req.n
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidArgumentError(f"n must be an int >= 1, got {n!r}", param="n")
+        if n > 1 and n * num_prompts > self.config.max_prompts_per_request:  # n = 1: the prompt list's own limit
+            raise InvalidArgumentError(f"n={n} samples of {num_prompts} prompt(s) exceed the "
+                                       f"{self.config.max_prompts_per_request} sequences a request may ask for", param="n")
+        return n
+
     # ------------------------------------------------------------ completions
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         prompts = completion_prompt_list(req)
@@ -203,14 +222,19 @@ class OpenAIServing:
         self._prepare(req)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise InvalidArgumentError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
+        n = self._n(req, len(completion_prompt_list(req)))
         prompts = await self.offload.run(self.completion_prompts, req)  # tokenized off the event loop
-        score = _prompt_scoring(req, echo_logprobs=req.echo and req.logprobs is not None)
-        params = [self._sampling(req, len(p), 16) for p in prompts]
+        score = prompt_scoring(req, echo_logprobs=req.echo and req.logprobs is not None)
+        # off the loop too: a structured request's grammar compiles here
+        params = await self.offload.run(lambda: [self._sampling(req, len(p), 16) for p in prompts])
         if score is not None:
             params = [replace(p, prompt_logprobs=score) for p in params]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        sub = await self.front.submit(prompts, params, logprobs=req.logprobs, request_id=rid)
-        echo = _Echo(self, req, prompts) if req.echo else None
+        # choice i * n + j: prompt i's sample j (seed + j); SamplingParams.samples: the prompt computed once
+        sub = await self.front.submit([p for p in prompts for _ in range(n)],
+                                      [q for p in params for q in replace(p, n=n).samples()],
+                                      logprobs=req.logprobs, request_id=rid)
+        echo = Echo(self.logprobs, req, prompts, n) if req.echo else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             offsets: dict[int, int] = {}  # per choice: the characters of its tokens' texts so far
@@ -218,11 +242,11 @@ class OpenAIServing:
             def choice(chunk: Chunk, first: bool) -> dict:
                 return self._completion_choice(chunk, offsets, req, echo if first else None)
 
-            return self._stream(sub, rid, "text_completion", choice, include_usage)
-        return await self._collect(sub, rid, "text_completion", chat=False, completion=(req, echo))
+            return self._stream(sub, rid, "text_completion", choice, include_usage, n)
+        return await self._collect(sub, rid, "text_completion", chat=False, completion=(req, echo), n=n)
 
     def _completion_choice(self, chunk: Chunk, offsets: dict[int, int], req: CompletionRequest,
-                           echo: "_Echo | None" = None) -> dict:
+                           echo: "Echo | None" = None) -> dict:
         """A completion choice's chunk (or, with ``echo``, its first: the prompt before it);
         ``text_offset`` goes on from the choice's earlier chunks (``offsets``, updated), so it
         equals the non-streamed response's."""
@@ -235,8 +259,8 @@ class OpenAIServing:
             "index": chunk.index,
             "text": (echo.text(chunk.index) if echo is not None else "") + chunk.text,
             "logprobs": logprobs,
-            "finish_reason": _reason(chunk.final),
-            "stop_reason": _stop_reason(chunk.final),
+            "finish_reason": wire_reason(chunk.final),
+            "stop_reason": stop_reason(chunk.final),
         }
         if req.prompt_logprobs is not None and chunk.prompt_logprobs is not None:
             out["prompt_logprobs"] = self.logprobs.prompt_logprobs(chunk.prompt_logprobs, req.prompt_logprobs)
@@ -260,22 +284,23 @@ class OpenAIServing:
             )
         if req.top_logprobs and not req.logprobs:
             raise InvalidArgumentError("top_logprobs needs logprobs=true", param="top_logprobs")
+        n = self._n(req, 1)
         prompt, echo = await self.offload.run(self._chat_prompt_and_echo, req)  # rendered and tokenized off the loop
-        params = self._sampling(req, len(prompt), None)
-        score = _prompt_scoring(req, echo_logprobs=False)
+        params = await self.offload.run(self._sampling, req, len(prompt), None)  # a grammar compiles off the loop
+        score = prompt_scoring(req, echo_logprobs=False)
         if score is not None:
             params = replace(params, prompt_logprobs=score)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = await self.front.submit([prompt], [params], logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                      request_id=rid)
+        sub = await self.front.submit([prompt] * n, replace(params, n=n).samples(),
+                                      logprobs=(req.top_logprobs or 0) if req.logprobs else None, request_id=rid)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
             def choice(chunk: Chunk, first: bool) -> dict:
                 return self._chat_choice(chunk, first, echo, req.prompt_logprobs)
 
-            return self._stream(sub, rid, "chat.completion.chunk", choice, include_usage)
-        return await self._collect(sub, rid, "chat.completion", chat=True, echo=echo, prompt_k=req.prompt_logprobs)
+            return self._stream(sub, rid, "chat.completion.chunk", choice, include_usage, n)
+        return await self._collect(sub, rid, "chat.completion", chat=True, echo=echo, prompt_k=req.prompt_logprobs, n=n)
 
     def _chat_choice(self, chunk: Chunk, first: bool, echo: str = "", prompt_k: int | None = None) -> dict:
         """A streamed chat chunk: the first of a choice carries the role and ``echo`` before its text."""
@@ -286,18 +311,19 @@ class OpenAIServing:
             "index": chunk.index,
             "delta": delta,
             "logprobs": self.logprobs.chat(chunk.logprobs),
-            "finish_reason": _reason(chunk.final),
-            "stop_reason": _stop_reason(chunk.final),
+            "finish_reason": wire_reason(chunk.final),
+            "stop_reason": stop_reason(chunk.final),
         }
         if prompt_k is not None and chunk.prompt_logprobs is not None:  # vLLM's, in a choice's first chunk
             out["prompt_logprobs"] = self.logprobs.prompt_logprobs(chunk.prompt_logprobs, prompt_k)
         return out
 
     # ------------------------------------------------------------ responses
-    async def _stream(self, sub: Submission, rid: str, obj: str, choice, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, sub: Submission, rid: str, obj: str, choice, include_usage: bool,
+                      n: int = 1) -> AsyncIterator[str]:
         created = int(time.time())
         started: set[int] = set()
-        finals: list[Any] = []
+        finals: dict[int, Any] = {}
         try:
             async for chunk in sub:
                 if chunk.error is not None:
@@ -307,18 +333,18 @@ class OpenAIServing:
                 first = chunk.index not in started
                 started.add(chunk.index)
                 if chunk.final is not None:
-                    finals.append(chunk.final)
+                    finals[chunk.index] = chunk.final
                 yield sse({"id": rid, "object": obj, "created": created, "model": self.config.model_name,
                            "choices": [choice(chunk, first)]})
             if include_usage:
                 yield sse({"id": rid, "object": obj, "created": created, "model": self.config.model_name,
-                           "choices": [], "usage": _usage(finals)})
+                           "choices": [], "usage": usage(finals, n)})
             yield "data: [DONE]\n\n"
         finally:
             sub.close()
 
     async def _collect(self, sub: Submission, rid: str, obj: str, chat: bool, echo: str = "",
-                       completion: tuple | None = None, prompt_k: int | None = None) -> dict:
+                       completion: tuple | None = None, prompt_k: int | None = None, n: int = 1) -> dict:
         """The whole response of ``sub`` (chat: ``echo`` starts each reply; completions:
         ``completion`` is (the request, its :class:`_Echo` or None))."""
         texts: dict[int, list[str]] = {}
@@ -344,7 +370,7 @@ class OpenAIServing:
             if chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": echo + text},
                                 "logprobs": self.logprobs.chat(tuple(lps[i])) if i in lps else None,
-                                "finish_reason": _reason(out), "stop_reason": _stop_reason(out)})
+                                "finish_reason": wire_reason(out), "stop_reason": stop_reason(out)})
                 if prompt_k is not None:
                     choices[-1]["prompt_logprobs"] = self.logprobs.prompt_logprobs(scored.get(i), prompt_k)
             else:
@@ -352,55 +378,4 @@ class OpenAIServing:
                 whole = Chunk(i, text, out.token_ids, tuple(lps.get(i, ())), out, prompt_logprobs=scored.get(i))
                 choices.append(self._completion_choice(whole, {}, req, prompt_echo))
         return {"id": rid, "object": obj, "created": int(time.time()), "model": self.config.model_name,
-                "choices": choices, "usage": _usage(list(finals.values()))}
-
-
-class _Echo:
-    """A completions request's ``echo``: each prompt's text, and its tokens with their scores."""
-
-    def __init__(self, serving: OpenAIServing, req: CompletionRequest, prompts: list[list[int]]) -> None:
-        texts = completion_prompt_list(req)
-        self.prompts = prompts
-        # a text prompt is echoed as sent; token ids as their text (special tokens kept)
-        self._texts = [t if isinstance(t, str) else serving.logprobs.text(ids)
-                       for t, ids in zip(texts, prompts)]
-
-    def text(self, index: int) -> str:
-        return self._texts[index]
-
-    def scores(self, index: int, scored: tuple | None) -> tuple:
-        """(the prompt's token ids, their scores): ``scored`` (None for the first), or Nones
-        where the prompt was not scored."""
-        ids = self.prompts[index]
-        return ids, scored if scored is not None else (None,) * len(ids)
-
-
-def _prompt_scoring(req, echo_logprobs: bool) -> int | None:
-    """The top-k the engine scores the prompt with: vLLM's ``prompt_logprobs``, and the
-    completions' ``logprobs`` when ``echo`` shows the prompt's; None: no scoring."""
-    wanted = [k for k in (req.prompt_logprobs, req.logprobs if echo_logprobs else None) if k is not None]
-    if not wanted:
-        return None
-    k = max(wanted)
-    if not 0 <= k <= MAX_LOGPROBS:
-        raise InvalidArgumentError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {k}", param="prompt_logprobs")
-    return k
-
-
-def _reason(final) -> str | None:
-    """OpenAI's finish reason of a choice's last chunk (None before it): vLLM's "abort" for ours "aborted"."""
-    if final is None:
-        return None
-    return wire_finish_reason(final.finish_reason)
-
-
-def _stop_reason(final) -> str | int | None:
-    return None if final is None else final.stop_reason
-
-
-def _usage(finals: list) -> dict:
-    prompt = sum(len(f.prompt_token_ids) for f in finals)
-    completion = sum(len(f.token_ids) for f in finals)
-    cached = sum(f.num_cached_tokens for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+                "choices": choices, "usage": usage(finals, n)}
