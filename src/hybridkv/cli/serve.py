@@ -73,6 +73,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="keep the cached prefix a queued request will hit until it runs: refresh (mark it used "
                         "on arrival and at every step while it waits), pin (hold it; released first when the pool "
                         "runs short), none (vLLM's behaviour) (default refresh)")
+    p.add_argument("--tool-call-parser", choices=("hermes",), default=None,
+                   help="parse tool calls out of the output for tool_choice 'auto' (vLLM's flag; hermes: "
+                        "<tool_call>{...}</tool_call>); default: none, and tool_choice 'auto' is refused")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
                    help="server log level (default warning)")
     add_engine_options(p, max_num_seqs_default=str(ENGINE_MAX_NUM_SEQS))
@@ -100,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(
         model_name=_model_name(args, source), host=args.host, port=args.port, api_key=args.api_key,
         max_waiting=args.max_waiting, shutdown=args.shutdown, drain_timeout=args.drain_timeout,
-        max_request_bytes=args.max_request_bytes,
+        max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,
         kv_events=args.kv_events, kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic,
     )
     if args.num_blocks is not None and args.kv_cache_memory is not None:

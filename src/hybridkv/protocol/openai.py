@@ -7,13 +7,15 @@ anything reaches the engine. Responses are built as plain dicts in
 Types are strict where a coercion would hide a client bug: ``max_tokens: "16"`` or a
 ``bool`` where an int belongs is a 400, not a silent conversion. Fields OpenAI defines
 that hybridkv cannot honour yet are accepted only at their neutral value (``best_of`` = 1,
-no ``suffix``, no tools, ...): any other value is a 400 that names the parameter
+no ``suffix``, ...): any other value is a 400 that names the parameter
 (:func:`unsupported`). ``n: null`` (generated clients send it) is 1. Unknown
 fields are ignored, as vLLM and OpenAI do.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
@@ -28,6 +30,7 @@ __all__ = [
     "StreamOptions",
     "chat_echo",
     "chat_messages",
+    "chat_tools",
     "completion_prompt_list",
     "structured_outputs_of",
     "valid_text",
@@ -102,6 +105,10 @@ class ChatMessage(_Model):
     # text, or OpenAI's content parts (only ``{"type": "text", "text": ...}`` parts are supported)
     content: Union[StrictStr, list[dict[str, Any]], None] = None
     name: Optional[StrictStr] = None
+    # an assistant's calls (OpenAI's ``[{"id", "type": "function", "function": {"name", "arguments": str}}]``)
+    # and a ``tool`` message's answer to one: :func:`chat_messages` checks and renders them
+    tool_calls: Optional[list[Any]] = None
+    tool_call_id: Optional[StrictStr] = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -111,8 +118,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = None  # 0..20, with logprobs
     max_completion_tokens: Optional[StrictInt] = None  # OpenAI's newer name for max_tokens
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
+    tools: Optional[list[Any]] = None  # OpenAI's function tools: :func:`chat_tools`
+    tool_choice: Optional[Any] = None  # "none" | "auto" | "required" | {"type": "function", ...}: server.tools
     add_generation_prompt: StrictBool = True
     # vLLM's: true and the last message's role is the reply's ("assistant"): its content starts
     # the reply's content (:func:`chat_echo`)
@@ -124,8 +131,6 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), "best_of > 1 is not supported (as in vLLM's V1 engine; n samples are)"),
     "use_beam_search": ((None, False), "beam search is not supported"),
     "suffix": ((None,), "suffix is not supported"),
-    "tools": ((None,), "tool calling is not supported"),
-    "tool_choice": ((None, "none"), "tool calling is not supported"),
 }
 
 
@@ -227,8 +232,60 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                 parts.append(part["text"])
             content = "".join(parts)
         role = "system" if m.role == "developer" else m.role
-        messages.append({"role": role, "content": valid_text(content or "", "messages", f"message {i}'s content")})
+        message = {"role": role, "content": valid_text(content or "", "messages", f"message {i}'s content")}
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(i, c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
     return messages
+
+
+def _template_call(i: int, call: Any) -> dict:
+    """An assistant message's tool call as HF chat templates expect it: OpenAI's shape with
+    ``arguments`` parsed into an object (a JSON text that is not one: InvalidArgumentError)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or call.get("type", "function") != "function":
+        raise InvalidArgumentError(f"message {i}: a tool call must be {{\"type\": \"function\", \"function\": "
+                                   f"{{\"name\", \"arguments\"}}}}, got {call!r:.80}", param="messages")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise InvalidArgumentError(f"message {i}: tool call arguments are not JSON: {args!r:.60}",
+                                       param="messages") from None
+    if not isinstance(args, dict):
+        raise InvalidArgumentError(f"message {i}: tool call arguments must be a JSON object", param="messages")
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def chat_tools(req: ChatCompletionRequest) -> list[dict] | None:
+    """The request's ``tools`` for the chat template (``tools: []`` or none: None), each
+    OpenAI's ``{"type": "function", "function": {"name", "description"?, "parameters"?}}``
+    (a name of letters, digits, ``_`` and ``-``, at most 64; names unique; ``parameters`` a JSON
+    schema object). Any other entry: InvalidArgumentError naming ``tools``."""
+    if not req.tools:
+        return None
+    out, names = [], set()
+    for i, tool in enumerate(req.tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise InvalidArgumentError(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}, got '
+                                       f"{tool!r:.60}", param="tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name) or name in names:
+            raise InvalidArgumentError(f"tools[{i}].function.name must be a new name of at most 64 letters, digits, "
+                                       f"'_' or '-', got {name!r:.70}", param="tools")
+        if not isinstance(fn.get("description", ""), str) or not isinstance(fn.get("parameters", {}), dict):
+            raise InvalidArgumentError(f"tools[{i}].function: description must be a str and parameters a JSON "
+                                       f"schema object", param="tools")
+        names.add(name)
+        out.append({"type": "function", "function": {k: fn[k] for k in ("name", "description", "parameters") if k in fn}})
+    return out
 
 
 def chat_echo(req: ChatCompletionRequest, messages: list[dict]) -> str:

@@ -220,6 +220,7 @@ class Router:
             ChatCompletionRequest,
             CompletionRequest,
             chat_messages,
+            chat_tools,
             completion_prompt_list,
         )
         from hybridkv.tokenizer.prompts import encode_prompt
@@ -230,7 +231,9 @@ class Router:
             if chat:
                 if self.tokenizer is None:
                     return None
-                prompt: Any = chat_messages(ChatCompletionRequest(**body))
+                req = ChatCompletionRequest(**body)
+                prompt: Any = chat_messages(req)
+                tools = chat_tools(req)  # rendered as the replica renders them
                 if sum(len(m["content"]) for m in prompt) > MAX_ROUTED_CHARS:
                     return None
             else:
@@ -240,7 +243,7 @@ class Router:
                 prompt = prompts[0]
                 if isinstance(prompt, str) and (self.tokenizer is None or len(prompt) > MAX_ROUTED_CHARS):
                     return None
-            ids = encode_prompt(self.tokenizer, prompt, 0)
+            ids = encode_prompt(self.tokenizer, prompt, 0, tools if chat else None)
             if not all(type(t) is int and 0 <= t < 1 << 63 for t in ids):
                 return None  # the replica refuses it
             return ids

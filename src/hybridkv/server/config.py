@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from hybridkv.errors import InvalidConfigError
 from hybridkv.protocol.limits import DEFAULT_MAX_REQUEST_BYTES
 
-__all__ = ["ServerConfig", "SHUTDOWN_MODES"]
+__all__ = ["ServerConfig", "SHUTDOWN_MODES", "TOOL_CALL_PARSERS"]
 
 SHUTDOWN_MODES = ("drain", "abort")
+#: the formats ``tool_choice: "auto"`` can parse calls out of (``--tool-call-parser``, vLLM's names)
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,8 @@ class ServerConfig:
     kv_events_topic: str = ""
     #: a request body larger than this is refused with 413 before it is parsed (``--max-request-bytes``)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    #: how ``tool_choice: "auto"`` finds calls in the output (``--tool-call-parser``); None: "auto" is a 400
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -52,5 +56,8 @@ class ServerConfig:
             raise InvalidConfigError(f"shutdown must be one of {SHUTDOWN_MODES}, got {self.shutdown!r}")
         if not isinstance(self.drain_timeout, (int, float)) or not 0 <= self.drain_timeout < float("inf"):
             raise InvalidConfigError(f"drain_timeout must be a finite number >= 0, got {self.drain_timeout!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise InvalidConfigError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS} or None, got "
+                                     f"{self.tool_call_parser!r}")
         if self.kv_events_replay is not None and self.kv_events is None:
             raise InvalidConfigError("a KV events replay endpoint needs a KV events endpoint")

@@ -22,6 +22,7 @@ the prefix-cache hit of the request's prompts. A completion's ``logprobs.text_of
 each token's character offset in the choice's whole text, streamed or not; a chat's
 ``echo`` (vLLM's) starts the reply with the last message's content when that message is
 the assistant's (:func:`~hybridkv.protocol.openai.chat_echo`; streamed: in the first delta).
+A chat's ``tools`` / ``tool_choice`` are :mod:`hybridkv.server.tools`'.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from hybridkv.protocol.openai import (
     CompletionRequest,
     chat_echo,
     chat_messages,
+    chat_tools,
     completion_prompt_list,
     structured_outputs_of,
     unsupported,
@@ -50,6 +52,7 @@ from hybridkv.server.async_llm import AsyncLLM, Chunk, Submission, TokenLogprob
 from hybridkv.server.config import ServerConfig
 from hybridkv.server.logprobs import LogprobFormat
 from hybridkv.server.responses import Echo, prompt_scoring, stop_reason, usage, wire_reason
+from hybridkv.server.tools import ToolPlan, ToolStream, finish_reason, tool_plan
 from hybridkv.tokenizer.prompts import check_token_ids, encode_prompt, min_tokens
 
 __all__ = ["OpenAIServing", "sse"]
@@ -95,7 +98,7 @@ class OpenAIServing:
             raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {self.config.model_name!r}")
 
     # ------------------------------------------------------------ parsing
-    def _sampling(self, req, prompt_len: int, default_max: int | None) -> SamplingParams:
+    def _sampling(self, req, prompt_len: int, default_max: int | None, plan: ToolPlan | None = None) -> SamplingParams:
         """The request's sampling parameters in OpenAI's meanings (temperature 1 and no
         ``max_tokens``: the rest of the context, unless ``default_max``); SamplingParams checks
         each range and names the parameter, check_context the fit."""
@@ -106,7 +109,8 @@ class OpenAIServing:
         if max_tokens is None:
             room = self.max_model_len - prompt_len
             max_tokens = room if default_max is None else min(default_max, room)
-        structured = structured_outputs_of(req)  # (fields, the parameter that gave them) or None
+        # (fields, the parameter that gave them) or None; a tool_choice may constrain the output
+        structured = structured_outputs_of(req) if plan is None else plan.structured(req)
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
@@ -150,13 +154,13 @@ class OpenAIServing:
             exc.param = param  # OpenAI names the field of an over-long input
             raise exc
 
-    def _encode(self, prompt: Any, param: str) -> list[int]:
+    def _encode(self, prompt: Any, param: str, tools: list | None = None) -> list[int]:
         if isinstance(prompt, str):
             self._check_text_length(len(prompt), param)
         elif isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             self._check_text_length(sum(len(m.get("content") or "") for m in prompt if isinstance(m, dict)), param)
         try:
-            return encode_prompt(self.llm.tokenizer, prompt, self.llm.model.vocab_size)
+            return encode_prompt(self.llm.tokenizer, prompt, self.llm.model.vocab_size, tools)
         except InvalidArgumentError as exc:
             if exc.param is None:
                 exc.param = param
@@ -269,12 +273,12 @@ class OpenAIServing:
     # ------------------------------------------------------------ chat
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         # the tokenizer's ids fit the model's vocabulary (LLM checks it once, check_vocab)
-        return self._encode(chat_messages(req), "messages")
+        return self._encode(chat_messages(req), "messages", chat_tools(req))
 
-    def _chat_prompt_and_echo(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
+    def _chat_prompt_and_echo(self, req: ChatCompletionRequest, plan: ToolPlan) -> tuple[list[int], str]:
         """:meth:`chat_prompt` and what the reply starts with (``echo``; "" without)."""
         messages = chat_messages(req)
-        return self._encode(messages, "messages"), chat_echo(req, messages)
+        return self._encode(messages, "messages", plan.tools), chat_echo(req, messages)
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self._prepare(req)
@@ -285,8 +289,9 @@ class OpenAIServing:
         if req.top_logprobs and not req.logprobs:
             raise InvalidArgumentError("top_logprobs needs logprobs=true", param="top_logprobs")
         n = self._n(req, 1)
-        prompt, echo = await self.offload.run(self._chat_prompt_and_echo, req)  # rendered and tokenized off the loop
-        params = await self.offload.run(self._sampling, req, len(prompt), None)  # a grammar compiles off the loop
+        plan = tool_plan(req, self.config.tool_call_parser)
+        prompt, echo = await self.offload.run(self._chat_prompt_and_echo, req, plan)  # rendered and tokenized off the loop
+        params = await self.offload.run(self._sampling, req, len(prompt), None, plan)  # a grammar compiles off the loop
         score = prompt_scoring(req, echo_logprobs=False)
         if score is not None:
             params = replace(params, prompt_logprobs=score)
@@ -295,23 +300,31 @@ class OpenAIServing:
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None, request_id=rid)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            streams: dict[int, ToolStream] = {}  # per choice, with tool calls
 
             def choice(chunk: Chunk, first: bool) -> dict:
-                return self._chat_choice(chunk, first, echo, req.prompt_logprobs)
+                tools = streams.setdefault(chunk.index, ToolStream(plan)) if plan.calls else None
+                return self._chat_choice(chunk, first, echo, req.prompt_logprobs, tools)
 
             return self._stream(sub, rid, "chat.completion.chunk", choice, include_usage, n)
-        return await self._collect(sub, rid, "chat.completion", chat=True, echo=echo, prompt_k=req.prompt_logprobs, n=n)
+        return await self._collect(sub, rid, "chat.completion", chat=True, echo=echo, prompt_k=req.prompt_logprobs, n=n,
+                                   plan=plan)
 
-    def _chat_choice(self, chunk: Chunk, first: bool, echo: str = "", prompt_k: int | None = None) -> dict:
-        """A streamed chat chunk: the first of a choice carries the role and ``echo`` before its text."""
-        delta: dict[str, Any] = {"role": "assistant", "content": echo + chunk.text} if first else {}
-        if chunk.text and not first:
-            delta["content"] = chunk.text
+    def _chat_choice(self, chunk: Chunk, first: bool, echo: str = "", prompt_k: int | None = None,
+                     tools: ToolStream | None = None) -> dict:
+        """A streamed chat chunk: the first of a choice carries the role and ``echo`` before its
+        text; with ``tools`` its text is split into content and tool call deltas."""
+        text, calls = (chunk.text, []) if tools is None else tools.delta(chunk.text, chunk.final is not None)
+        delta: dict[str, Any] = {"role": "assistant", "content": echo + text} if first else {}
+        if text and not first:
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = calls
         out = {
             "index": chunk.index,
             "delta": delta,
             "logprobs": self.logprobs.chat(chunk.logprobs),
-            "finish_reason": wire_reason(chunk.final),
+            "finish_reason": finish_reason(wire_reason(chunk.final), tools is not None and tools.sent > 0),
             "stop_reason": stop_reason(chunk.final),
         }
         if prompt_k is not None and chunk.prompt_logprobs is not None:  # vLLM's, in a choice's first chunk
@@ -344,7 +357,8 @@ class OpenAIServing:
             sub.close()
 
     async def _collect(self, sub: Submission, rid: str, obj: str, chat: bool, echo: str = "",
-                       completion: tuple | None = None, prompt_k: int | None = None, n: int = 1) -> dict:
+                       completion: tuple | None = None, prompt_k: int | None = None, n: int = 1,
+                       plan: ToolPlan | None = None) -> dict:
         """The whole response of ``sub`` (chat: ``echo`` starts each reply; completions:
         ``completion`` is (the request, its :class:`_Echo` or None))."""
         texts: dict[int, list[str]] = {}
@@ -368,9 +382,14 @@ class OpenAIServing:
         for i in sorted(finals):
             out, text = finals[i], "".join(texts.get(i, []))
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": echo + text},
+                content, calls = plan.message(text) if plan is not None and plan.calls else (text, [])
+                message = {"role": "assistant", "content": None if content is None and not echo else echo + (content or "")}
+                if calls:
+                    message["tool_calls"] = calls
+                choices.append({"index": i, "message": message,
                                 "logprobs": self.logprobs.chat(tuple(lps[i])) if i in lps else None,
-                                "finish_reason": wire_reason(out), "stop_reason": stop_reason(out)})
+                                "finish_reason": finish_reason(wire_reason(out), bool(calls)),
+                                "stop_reason": stop_reason(out)})
                 if prompt_k is not None:
                     choices[-1]["prompt_logprobs"] = self.logprobs.prompt_logprobs(scored.get(i), prompt_k)
             else:

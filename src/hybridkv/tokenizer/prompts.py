@@ -55,10 +55,11 @@ def check_token_ids(ids: Sequence[Any], vocab_size: int, param: str | None = Non
         raise InvalidArgumentError(f"token ids must be ints in [0, {vocab_size}); got {bad[:5]}", param=param)
 
 
-def encode_prompt(tokenizer: Any, prompt: Prompt, vocab_size: int) -> list[int]:
+def encode_prompt(tokenizer: Any, prompt: Prompt, vocab_size: int, tools: list | None = None) -> list[int]:
     """A prompt's token ids: text encoded with special tokens, chat messages rendered with the
-    chat template and encoded without, token ids as given (the engine checks them).
-    ``vocab_size`` (the model's) only words the error when there is no tokenizer."""
+    chat template (``tools``, if any, as its ``tools`` variable) and encoded without, token ids
+    as given (the engine checks them). ``vocab_size`` (the model's) only words the error when
+    there is no tokenizer."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidArgumentError("a prompt is empty")
@@ -74,7 +75,8 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, vocab_size: int) -> list[int]:
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise InvalidArgumentError(f"chat message {i} needs a str 'role' and 'content', got {m!r:.80}")
     tok = _need_tokenizer(tokenizer, "a chat prompt", vocab_size)
-    text = tok.apply_chat_template([dict(m) for m in items], add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}
+    text = tok.apply_chat_template([dict(m) for m in items], add_generation_prompt=True, **extra)
     ids = tok.encode(text, add_special_tokens=False)
     if not ids:
         raise InvalidArgumentError("the chat template rendered an empty prompt")
