@@ -36,3 +36,13 @@ def tiny_dir(tmp_path_factory):
     from tests.support.tiny_server import make_tiny_dir
 
     return make_tiny_dir(tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_dir):
+    """The offline text front on the tiny model (``tiny_dir``), with the servers' engine settings
+    (the server tests' and the router's in-process tests over the real app)."""
+    from hybridkv.engine.llm import LLM
+    from tests.support.tiny_server import engine_config
+
+    return LLM(str(tiny_dir), engine_config())

@@ -100,15 +100,6 @@ def test_a_replica_down_or_failing_is_skipped_and_none_left_is_503_or_502():
     assert up_after == [False, False, False]
 
 
-@pytest.fixture(scope="module")
-def tiny_llm(tiny_dir):
-    from hybridkv.engine.llm import LLM
-
-    from tests.support.tiny_server import engine_config
-
-    return LLM(str(tiny_dir), engine_config(num_blocks=64))
-
-
 def test_through_the_router_the_answers_are_the_replicas(tiny_llm):
     """The router over the real server app (in-process, ``--api-key k``): each route answers
     through the router what the replica answers directly, the key passed on (401 without it)."""

@@ -1,5 +1,5 @@
-"""Fixtures of the server tests: the offline engine on the tiny sliding-window model
-(``tiny_dir``), and live ``hybridkv serve`` processes on 127.0.0.1 (``serve``).
+"""Fixtures of the server tests: live ``hybridkv serve`` processes on 127.0.0.1 (``serve``); the
+offline engine on the tiny model (``tiny_llm``) is the root conftest's.
 
 The processes are :class:`tests.support.processes.HybridkvProcess` (bounded in time: a
 server that does not start or stop in time is killed and the test fails).
@@ -14,16 +14,7 @@ pytest.importorskip("transformers")
 
 
 from tests.support.processes import HybridkvProcess  # noqa: E402
-from tests.support.tiny_server import ENGINE_ARGS, engine_config  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def tiny_llm(tiny_dir):
-    """The offline text front on the tiny model (``tiny_dir``, the root conftest's), with the
-    servers' engine settings."""
-    from hybridkv.engine.llm import LLM
-
-    return LLM(str(tiny_dir), engine_config())
+from tests.support.tiny_server import ENGINE_ARGS  # noqa: E402
 
 
 @pytest.fixture
