@@ -128,7 +128,6 @@ class OpenAIServing:
                 min_tokens=req.min_tokens or 0,
                 structured_outputs=None if structured is None else structured[0],
             )
-            params.check_vocab(self.llm.model.vocab_size)
             if params.structured_outputs is not None:  # compiled (and cached) here: a bad schema is a 400
                 self.llm.engine.structured.matcher(params.structured_outputs)
         except InvalidArgumentError as exc:  # name the field the client sent
