@@ -22,7 +22,7 @@ about 50 s), greedy, no stop token.
   by the scheduler (chunked prefill, then 32-wide decode), no EOS stop (``ignore_eos``,
   as HF's side). Its linears run on prepacked weight copies (the loader's default on
   CPU fp32: transposed for decode-sized inputs, oneDNN for prefill, see
-  ``hybridkv.engine.models.linear``); the full run also times ``ours-plain``, the
+  ``hybridkv.engine.layers.linear``); the full run also times ``ours-plain``, the
   same engine on ``F.linear`` (MKL, the GEMMs HF uses), to show what that part buys.
 * HF: what a user batching with transformers runs: one ``model.generate`` call on
   the 32 prompts left-padded with an ``attention_mask`` (no padding when lengths are

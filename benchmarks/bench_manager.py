@@ -22,7 +22,7 @@ ids of every group read after each allocation, as the scheduler does for every
 scheduled request (``+ids``): the three chunked groups' ids are built on demand,
 so this second ratio shows what a caller that reads them all pays.
 
-Target (issue 2, item 8): scout / full <= 1.5 µs per request-step.
+Target: scout / full <= 1.5 µs per request-step.
 """
 
 from __future__ import annotations

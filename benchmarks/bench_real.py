@@ -281,8 +281,10 @@ def profile_ours(lane: OursLane, w: Workload, top: int = 18) -> None:
     import cProfile
     import pstats
 
-    from hybridkv.engine import attention, kv_storage, model_runner, sampling
-    from hybridkv.engine.models import base, linear, norms, quantize
+    from hybridkv.engine import kv_storage, model_runner, sampling
+    from hybridkv.engine.attention import reference as attention
+    from hybridkv.engine.models import base
+    from hybridkv.engine.layers import linear, norms, quantized_linear as quantize
     from hybridkv.scheduler.scheduler import Scheduler
 
     phases = {

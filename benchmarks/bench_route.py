@@ -41,7 +41,7 @@ the replica obtained); the router's headers give the replica and the predicted h
 Printed per policy (all rounds pooled): hit tokens obtained (and % of prompt tokens),
 predicted, false residency = sum(max(0, predicted - obtained)) (and % of predicted), mean
 TTFT, requests/s and output tokens/s, requests per replica and how often a chat moved to
-another replica; then the targets (issue 23): hybrid obtains at least full-only's hit tokens
+another replica; then the targets: hybrid obtains at least full-only's hit tokens
 in every round and >= 0.93x the oracle's (median of the rounds), with a mean TTFT at most
 1.1x least-loaded's; with ``--decompose`` the index's error at the decision <= 1 % of the
 predicted hit tokens, and what was lost after the decision beside it. Last, the router's own
@@ -70,11 +70,11 @@ the same result for one seed, the place to try a routing rule before this benchm
 
 ``--max-share-ratio`` (default ``route``'s, 1.5): the balance rule (``router/balance.py``): a
 replica whose share of the last ~64 decisions exceeds 1.5x the least-served replica's is
-passed over for hits (0: no rule, as before issue 23).
+passed over for hits (0: no rule).
 
 ``--max-imbalance`` (default ``route``'s, 8): a hit may put at most this many more in-flight
 requests on a replica than on the least loaded. With 6 clients over 3 replicas (2 each on
-average) 8 practically never binds here: the share rule keeps the balance. Issue 23's runs
+average) 8 practically never binds here: the share rule keeps the balance. Earlier runs
 used 2 (the default before the share rule existed, when larger values piled the chats of
 one system prompt onto one replica): with 6 clients the in-flight counts swing by 2 within a few
 steps, so that rule moved established chats away from their cache (``sim_route.py

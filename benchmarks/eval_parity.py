@@ -1,5 +1,5 @@
 """Accuracy parity of the hybrid KV layout against all-full, at each weight precision, on real
-models (issue 11, item 5; issue 22, item 3: accuracy is measured, not assumed).
+models (accuracy is measured, not assumed).
 
     nice -n 10 python3 benchmarks/eval_parity.py [--quick] [--models gemma-3-270m,smollm2-135m]
         [--precisions fp32,bf16,int8,int4] [--lengths 1024,2048,4096,8192] [--items-per-length N]

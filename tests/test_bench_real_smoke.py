@@ -1,5 +1,5 @@
 """benchmarks/bench_real.py: its report arithmetic on made-up rounds (ratios against
-llama.cpp, the issue's targets), and a ``--quick`` run at its smallest (SmolLM2, int4, our
+llama.cpp, the performance targets), and a ``--quick`` run at its smallest (SmolLM2, int4, our
 lane only: no llama.cpp needed) writing its JSON."""
 
 from __future__ import annotations

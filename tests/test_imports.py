@@ -32,7 +32,7 @@ def test_public_api_names_exist():
 )
 def test_server_and_router_are_siblings(module, absent):
     """The wire formats live in hybridkv.protocol: the router never imports the server, nor the
-    server the router (issue 24)."""
+    server the router."""
     pytest.importorskip("fastapi")
     pytest.importorskip("zmq")
     code = (f"import sys, {module}; "

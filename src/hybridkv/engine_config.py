@@ -23,22 +23,15 @@ from hybridkv.scheduler.config import (
     SchedulerConfig,
 )
 
-__all__ = ["ATTENTION_BACKENDS", "DTYPES", "ENGINE_DEFAULTS", "EngineConfig", "QUANTIZATIONS",
-           "check_backend_name"]
+__all__ = ["DEFAULT_ATTENTION_BACKEND", "DTYPES", "ENGINE_DEFAULTS", "EngineConfig", "QUANTIZATIONS"]
 
 #: the engine dtypes (model weights and KV cache), the default first
 DTYPES = ("float32", "bfloat16", "float16")
-#: ``attention_backend`` values: "auto" (triton on CUDA when it imports; on a CPU the fused C kernels for a
-#: quantized model; else the reference), "reference", "triton", "cpu"
-ATTENTION_BACKENDS = ("auto", "reference", "triton", "cpu")
+#: ``attention_backend`` by default: the ``auto`` rule. Backend names and the rule live in the
+#: attention registry (:mod:`hybridkv.engine.attention.registry`), which checks a name when the engine is built
+DEFAULT_ATTENTION_BACKEND = "auto"
 #: ``quantization`` values (weight-only, on a CPU); None is the exact weights
 QUANTIZATIONS = ("int8", "int4")
-
-
-def check_backend_name(name: object) -> None:
-    """Refuse (InvalidConfigError) an attention backend name not in :data:`ATTENTION_BACKENDS`."""
-    if name not in ATTENTION_BACKENDS:
-        raise InvalidConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +56,8 @@ class EngineConfig:
     queued_prefix: str = DEFAULT_QUEUED_PREFIX  # SchedulerConfig.queued_prefix ("refresh" is the server's)
     #: state checkpoints cached (CacheManagerConfig's): None every block, 0 the prompt's last, k every k tokens
     prefix_cache_retention_interval: int | None = DEFAULT_RETENTION_INTERVAL
-    #: one of :data:`ATTENTION_BACKENDS`
-    attention_backend: str = ATTENTION_BACKENDS[0]
+    #: "auto" or a registered backend's name (checked by the registry when the engine is built)
+    attention_backend: str = DEFAULT_ATTENTION_BACKEND
     #: True: no CUDA graphs (decode steps run eagerly)
     enforce_eager: bool = False
     #: weight-only quantization on a CPU: None (the exact weights) or one of :data:`QUANTIZATIONS`
@@ -77,7 +70,8 @@ class EngineConfig:
             raise InvalidConfigError(f"hybrid must be a bool, got {self.hybrid!r}")
         if not isinstance(self.enforce_eager, bool):
             raise InvalidConfigError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
-        check_backend_name(self.attention_backend)
+        if not isinstance(self.attention_backend, str) or not self.attention_backend:
+            raise InvalidConfigError(f"attention_backend must be one of the attention backends' names, got {self.attention_backend!r}")
         if not self.hybrid and self.group_size is not None:
             raise InvalidConfigError("group_size applies to the hybrid layout; with hybrid off all layers are one group")
 

@@ -13,7 +13,7 @@ from tests.support.hf_tiny import build_tiny
 
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.models import load_model
-from hybridkv.engine.models.weights import progress
+from hybridkv.engine.loading.weights import progress
 from hybridkv.scheduler import SamplingParams
 
 

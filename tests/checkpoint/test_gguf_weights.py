@@ -19,8 +19,8 @@ from tests.support.hf_tiny import build_tiny, hf_generate
 from hybridkv.checkpoint import GGUFFile, ModelSource, resolve_model
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.models import CausalLM, Gemma3ForCausalLM, load_model
-from hybridkv.engine.models import gguf_weights, tensor_cache
-from hybridkv.engine.models.gguf_weights import GGUF_LAYER_NAMES, _unpermute, hf_tensor_name
+from hybridkv.engine.loading import gguf_weights, weight_cache
+from hybridkv.engine.loading.gguf_weights import GGUF_LAYER_NAMES, _unpermute, hf_tensor_name
 from hybridkv.errors import UnsupportedQuantizationError, WeightLoadError
 from hybridkv.scheduler import SamplingParams
 
@@ -186,7 +186,7 @@ def test_cache_is_written_once_then_read(tmp_path, private_tensor_cache, monkeyp
     path = _minimal_llama(tmp_path / "m.gguf")
     cold = _state(load_model(path, prepack=False))
     sha = GGUFFile.open(path).sha256()
-    entry = tensor_cache.cache_path(private_tensor_cache, sha)
+    entry = weight_cache.cache_path(private_tensor_cache, sha)
     assert entry.is_file() and not list(private_tensor_cache.glob("*.tmp-*"))
     assert (private_tensor_cache / "sha256").is_dir()  # the hash is remembered per (path, size, mtime)
     monkeypatch.setattr(gguf_weights, "gguf_tensors", lambda *a: pytest.fail("dequantized again"))
@@ -198,7 +198,7 @@ def test_cache_is_written_once_then_read(tmp_path, private_tensor_cache, monkeyp
 def test_a_corrupt_cache_entry_is_rebuilt(tmp_path, private_tensor_cache, damage):
     path = _minimal_llama(tmp_path / "m.gguf")
     want = _state(load_model(path, prepack=False))
-    entry = tensor_cache.cache_path(private_tensor_cache, GGUFFile.open(path).sha256())
+    entry = weight_cache.cache_path(private_tensor_cache, GGUFFile.open(path).sha256())
     data = entry.read_bytes()
     if damage == "truncate":
         entry.write_bytes(data[: len(data) - 100])
@@ -215,7 +215,7 @@ def test_a_corrupt_cache_entry_is_rebuilt(tmp_path, private_tensor_cache, damage
         if damage == "other tensors":
             save_file({"x": torch.zeros(3)}, str(entry))
         elif damage == "fp16":
-            save_file({k: v.half() for k, v in tensors.items()}, str(entry), metadata={"version": str(tensor_cache.CACHE_VERSION)})
+            save_file({k: v.half() for k, v in tensors.items()}, str(entry), metadata={"version": str(weight_cache.CACHE_VERSION)})
         else:
             save_file(tensors, str(entry), metadata={"version": "0"})
     got = _state(load_model(path, prepack=False))

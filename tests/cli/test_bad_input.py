@@ -1,10 +1,11 @@
 """Every bad CLI input is one line on stderr and exit code 2; nothing hangs.
 
-A table of cases (issue 10, item 4, and more found by probing) runs in-process
-through :func:`hybridkv.cli.main` under an alarm (a hang fails the test instead of
-stalling CI); a few run as ``python -m hybridkv`` to prove there is no traceback
-at all (stdout on a full disk, a closed pipe, the hangs). Placeholders in argv:
-``{M}`` a tiny saved Llama, ``{T}`` a folder of bad files made by :func:`bad_files`.
+A table of cases (inputs that once raised a traceback, hung or gave an unclear message,
+and more found by probing) runs in-process through :func:`hybridkv.cli.main` under an
+alarm (a hang fails the test instead of stalling CI); a few run as ``python -m hybridkv``
+to prove there is no traceback at all (stdout on a full disk, a closed pipe, the hangs).
+Placeholders in argv: ``{M}`` a tiny saved Llama, ``{T}`` a folder of bad files made by
+:func:`bad_files`.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def bad_files(tmp_path_factory, tiny_llama):
 
 
 CASES = [
-    # ---- issue 10 item 4: tracebacks
+    # ---- inputs that once raised a traceback
     ("binary trace", ["simulate", "mistral-7b", "--workload", "{T}/binary.jsonl"],
      "binary.jsonl:2: not UTF-8 text (byte 0xff at column 2)"),
     ("plot .txt", ["simulate", "mistral-7b", "--plot", "{T}/out.txt"], "cannot plot to {T}/out.txt: suffix .txt; use one of"),
@@ -132,13 +133,13 @@ CASES = [
     ("nested config", ["plan", "{T}/nested.json"], "nested.json: JSON nested too deeply"),
     ("nested config dir", ["generate", "{T}/deep-config", "--prompt-ids", "1"], "JSON nested too deeply"),
     ("nested trace", ["simulate", "mistral-7b", "--workload", "{T}/nested.jsonl"], "nested.jsonl:1: JSON nested too deeply"),
-    # ---- issue 10 item 4: hangs (refused up front, in bytes)
+    # ---- inputs that would hang: refused up front, in bytes
     ("num-blocks 1e11", ["generate", "{M}", "--prompt-ids", "1", "--num-blocks", "100000000000"],
      "--num-blocks 100,000,000,000 (blocks of 16 KiB) would take 1490.12 TiB (1,638,400,000,000,000 bytes), more than "
      "the 1 GiB (1,073,741,824 bytes) available on cpu"),
     ("kv-cache-memory 1TiB", ["generate", "{M}", "--prompt-ids", "1", "--kv-cache-memory", "1TiB"],
      "--kv-cache-memory 1 TiB would take 1 TiB (1,099,511,627,776 bytes), more than the 1 GiB"),
-    # ---- issue 10 item 4: unclear messages
+    # ---- inputs whose message must say what to give instead
     ("memory fits no block", ["generate", "{M}", "--prompt-ids", "1", "--kv-cache-memory", "2KiB"],
      "--kv-cache-memory 2 KiB (2,048 bytes) fits 0 KV cache block(s) of 16 KiB (16,384 bytes) for this model; 2 are "
      "needed (the null block and one usable): give at least 32 KiB"),
@@ -217,7 +218,7 @@ CASES = [
     # ---- probed: missing / unknown options and commands
     ("no prompt", ["generate", "{M}"], "give at least one --prompt, --prompts-file or --prompt-ids"),
     ("missing model arg", ["generate"], "the following arguments are required: MODEL"),
-    # ---- issue 11: real models, text
+    # ---- real models, text
     ("unknown model name", ["generate", "gemma-9-1b", "--prompt", "hi"], "gemma-9-1b does not exist; give an installed model"),
     ("truncated gguf", ["generate", "{T}/truncated.gguf", "--prompt", "hi"], "truncated.gguf"),
     ("not a gguf", ["generate", "{T}/not-gguf.gguf", "--prompt", "hi"], "not-gguf.gguf: not a GGUF file"),
@@ -408,7 +409,7 @@ def test_random_simulate_options_are_a_run_or_one_line(picks, model, capsys):
      "hybridkv serve: error: serve needs gguf, which is not installed: pip install 'hybridkv[engine]'"),
 ])
 def test_a_missing_extra_is_one_line(module, argv, line, tiny_llama, monkeypatch, capsys):
-    """A command whose extra is not installed names the extra, in one line, exit 2 (issue 23, item 1)."""
+    """A command whose extra is not installed names the extra, in one line, exit 2."""
     monkeypatch.setitem(sys.modules, module, None)  # `import module` raises ImportError
     argv = [a.replace("{M}", str(tiny_llama)) for a in argv]
     assert main(argv) == 2
@@ -417,7 +418,7 @@ def test_a_missing_extra_is_one_line(module, argv, line, tiny_llama, monkeypatch
 
 
 def test_probe_access_lines_are_debug_only():
-    """uvicorn's access lines for /health and /metrics are dropped above --log-level debug (issue 23, item 7)."""
+    """uvicorn's access lines for /health and /metrics are dropped above --log-level debug."""
     import logging
 
     from hybridkv.cli.http_server import QuietProbes

@@ -117,7 +117,7 @@ def test_model_eos_ends_a_request_unless_ignored(model_dir, tmp_path, capsys):
     assert [int(t) for t in capsys.readouterr().out.strip().split(",")] == want
 
 
-# ------------------------------------------------------------------ text (issue 11)
+# ------------------------------------------------------------------ text prompts and outputs
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory):
     """A tiny Gemma 3 (sliding window 12, s s f s s f) with a character tokenizer; HF model and tokenizer."""

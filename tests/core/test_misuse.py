@@ -1,8 +1,10 @@
 """Every misuse of the core's public API raises a typed error from hybridkv.errors and
-changes nothing (issue 10, item 3): one table per object, each row run against a
-manager (both layouts) or a pool holding live, freed, waiting and cached state, with
-a whole-state snapshot compared before and after. Then a random probe: arbitrary
-values for every argument of every public call either work or raise a HybridKVError.
+changes nothing: one table per object, each row run against a manager (both layouts)
+or a pool holding live, freed, waiting and cached state, with a whole-state snapshot
+compared before and after. Then single cases that need their own set-up (a computed
+count moved back past freed blocks, another manager's request, unordered prompts, the
+admission count), and a random probe: arbitrary values for every argument of every
+public call either work or raise a HybridKVError.
 """
 
 from __future__ import annotations
@@ -225,6 +227,72 @@ def test_pool_misuse_raises_and_changes_nothing(call, error):
         call(pool, b)
     assert pool_snapshot(pool) == before
     pool.check_invariants({b["held"].block_id: 1, b["lead"].block_id: 1, b["follower"].block_id: 1})
+
+
+# ------------------------------------------------------------------ single cases
+def one_group_manager() -> KVCacheManager:
+    return KVCacheManager(KVCacheConfig(20, (KVCacheGroup(full()),)), CacheManagerConfig(max_model_len=64))
+
+
+def free_and_block_ids(kv: KVCacheManager, rid: str):
+    return kv.num_free_blocks, kv.get_block_ids(rid)
+
+
+@pytest.mark.parametrize("stripes", [True, False])
+@pytest.mark.parametrize("local", [sliding(3, 2), chunked(4, 2)])
+def test_a_computed_count_moved_back_past_freed_blocks_is_refused(stripes, local):
+    kv = KVCacheManager(
+        KVCacheConfig(40, (KVCacheGroup(full(2)), KVCacheGroup(local), KVCacheGroup(local))),
+        CacheManagerConfig(max_model_len=64, stripe_groups=stripes),
+    )
+    r = kv.make_request("a", list(range(1, 30)))
+    for _ in range(21):  # decode one token at a time: the local groups free their old blocks
+        assert kv.allocate_slots(r, 1) is not None
+        r.num_computed_tokens += 1
+    for bad in (2, 2.5, True, -1):
+        r.num_computed_tokens = bad
+        before = free_and_block_ids(kv, "a")
+        with pytest.raises(InvalidArgumentError):
+            kv.allocate_slots(r, 1)
+        assert free_and_block_ids(kv, "a") == before
+        kv.check_invariants()
+    # a step back that reads nothing freed is allowed (speculative tokens rejected)
+    r.num_computed_tokens = 20
+    assert kv.allocate_slots(r, 1) is not None
+    r.num_computed_tokens = 21
+    assert kv.allocate_slots(r, 1) is not None
+    kv.check_invariants()
+
+
+def test_free_refuses_another_managers_request_of_the_same_id():
+    kv = one_group_manager()
+    other = one_group_manager()
+    r = kv.make_request("a", [1, 2, 3])
+    assert kv.allocate_slots(r, 3) is not None
+    free = kv.num_free_blocks
+    with pytest.raises(RequestError):
+        kv.free(other.make_request("a", [1, 2, 3]))
+    assert kv.num_free_blocks == free and kv.has_request("a")
+    kv.free("a")  # by id: allowed
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("prompt", [{1, 2}, frozenset([1, 2]), {1: 2}, "12", b"12"])
+def test_unordered_or_text_prompts_are_refused(prompt):
+    kv = one_group_manager()
+    with pytest.raises(InvalidArgumentError, match="ordered sequence of ints"):
+        kv.make_request("a", prompt)
+
+
+def test_admission_count_refuses_what_allocate_slots_refuses():
+    kv = one_group_manager()
+    r = kv.make_request("a", list(range(1, 10)))
+    with pytest.raises(InvalidArgumentError, match="must be KVCacheBlocks"):
+        kv.num_blocks_to_admit(r, 9, "junk", 4)
+    assert kv.num_blocks_to_admit(r, 9) == 3
+    assert kv.allocate_slots(r, 9) is not None
+    with pytest.raises(InvalidArgumentError, match="already holds blocks"):
+        kv.num_blocks_to_admit(r, 9)
 
 
 # ------------------------------------------------------------------ random probe

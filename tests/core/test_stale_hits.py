@@ -1,4 +1,4 @@
-"""Stale prefix hits (issue 10, item 3).
+"""Stale prefix hits: a hit whose blocks were evicted before it was used is refused.
 
 ``get_computed_blocks`` takes no references, so allocating another request before the
 hit is used can evict its blocks. ``allocate_slots`` must then raise StaleHitError with

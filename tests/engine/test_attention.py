@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.engine.attention import FULL, AttentionMetadata, AttentionType, allowed_key_mask, paged_attention
+from hybridkv.engine.attention.layer import paged_attention
+from hybridkv.engine.attention.metadata import AttentionMetadata
+from hybridkv.engine.attention.types import FULL, AttentionType, allowed_key_mask
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError, InvariantViolation
 
@@ -182,7 +184,7 @@ def test_sinks_and_softcap_match_dense(backend):
 def test_null_block_in_needed_range_is_an_invariant_violation(backend):
     if backend == "triton":
         pytest.importorskip("triton")
-        from hybridkv.engine.kernels import triton_unavailable
+        from hybridkv.engine.attention.triton_kernels import triton_unavailable
 
         if triton_unavailable("cpu") is not None:
             pytest.skip(triton_unavailable("cpu"))
@@ -241,7 +243,7 @@ def test_triton_backend_matches_dense(attn):
     """The same scenarios through the triton backend (interpreter on CPU): prefill + decode
     mixes with the last layer's rows, sinks and soft-cap, and a pure decode step."""
     pytest.importorskip("triton")
-    from hybridkv.engine.kernels import triton_unavailable
+    from hybridkv.engine.attention.triton_kernels import triton_unavailable
 
     if triton_unavailable("cpu") is not None:
         pytest.skip(triton_unavailable("cpu"))
@@ -261,7 +263,7 @@ DECODES = [(3, 1), (60, 1), (17, 1), (90, 1), (1, 1), (45, 1), (0, 9), (77, 1)]
 )
 @pytest.mark.parametrize("split_keys", [8192, 40])
 def test_decodes_split_by_key_length_match_dense(monkeypatch, attn, split_keys):
-    import hybridkv.engine.attention_plan as plan
+    import hybridkv.engine.attention.plan as plan
 
     monkeypatch.setattr(plan, "DECODE_SPLIT_KEYS", split_keys)
     layout = plan.build_layout(attn.kind, attn.size, [n for n, _ in DECODES], [q for _, q in DECODES], 4,

@@ -1,4 +1,4 @@
-"""How a step's queries are cut into segments and batched into buckets (attention_plan)."""
+"""How a step's queries are cut into segments and batched into buckets (engine/attention/plan.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from hybridkv.engine.attention_plan import PAD_SLACK, build_layout
-from hybridkv.engine.host import long_tensor
+from hybridkv.engine.attention.plan import PAD_SLACK, build_layout
+from hybridkv.engine.host_tensors import long_tensor
 
 CPU = torch.device("cpu")
 
@@ -117,7 +117,7 @@ def _check_layout(kind, size, starts, q_lens, bs, seqs=None, num_rows=None):
 
 
 def test_one_query_pieces_of_one_sequence_are_not_a_decode_step():
-    """Issue 10's crash: a step of only 1-query segments, more segments than sequences."""
+    """A step of only 1-query segments, more segments than sequences (which once crashed)."""
     _check_layout("sliding", 1, [0], [2], 16)  # Mistral window 1, a 2-token prompt
     _check_layout("chunked", 5, [4], [2], 16)  # chunk 5, budget 2: tokens 4 | 5 cross a chunk
     _check_layout("chunked", 5, [4, 9], [2, 1], 1)  # prefix hit of 4 + 2 new, next to a decode

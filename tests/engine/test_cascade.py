@@ -1,6 +1,6 @@
 """Cascade attention: when a step attends to its shared prefix once, and that it changes nothing.
 
-The rules (:mod:`hybridkv.engine.cascade`) against brute force and worked cases; the triton
+The rules (:mod:`hybridkv.engine.attention.cascade`) against brute force and worked cases; the triton
 backend with cascade against a dense reference on tables that share their first blocks
 (full, and sliding / chunked layers whose queries all see the whole prefix); the engine
 with cascade (thresholds lowered) against HF greedy generation.
@@ -17,11 +17,13 @@ from tests.support.hf_tiny import hf_generate
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hybridkv.engine import cascade
-from hybridkv.engine.attention import FULL, AttentionMetadata, AttentionType, paged_attention
-from hybridkv.engine.cascade import cascade_prefix_len, common_prefix_blocks, use_cascade
+from hybridkv.engine.attention import cascade
+from hybridkv.engine.attention.layer import paged_attention
+from hybridkv.engine.attention.metadata import AttentionMetadata
+from hybridkv.engine.attention.types import FULL, AttentionType
+from hybridkv.engine.attention.cascade import cascade_prefix_len, common_prefix_blocks, use_cascade
 from hybridkv.engine.engine import EngineConfig, LLMEngine
-from hybridkv.engine.kernels import triton_unavailable
+from hybridkv.engine.attention.triton_kernels import triton_unavailable
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.scheduler import SamplingParams
 
@@ -101,7 +103,7 @@ def test_cascade_matches_dense(monkeypatch, kind, size):
     sinks = torch.randn(4, generator=gen)
     calls = []
     real = cascade.cascade_prefix_len
-    monkeypatch.setattr("hybridkv.engine.attention_triton.cascade_prefix_len",
+    monkeypatch.setattr("hybridkv.engine.attention.triton_forward.cascade_prefix_len",
                         lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
     for outputs in (None, [3, 0]):
         meta = AttentionMetadata.build(storage, [n for n, _ in seqs], [n for _, n in seqs], [[t] for t in tables],
@@ -128,7 +130,7 @@ def test_engine_with_cascade_matches_hf(monkeypatch, arch, tiny_models):
     monkeypatch.setattr(cascade, "CASCADE_MIN_SEQS", 3)
     runs = []
     real = cascade.cascade_prefix_len
-    monkeypatch.setattr("hybridkv.engine.attention_triton.cascade_prefix_len",
+    monkeypatch.setattr("hybridkv.engine.attention.triton_forward.cascade_prefix_len",
                         lambda *a, **k: runs.append(real(*a, **k)) or runs[-1])
     path, hf = tiny_models(arch)
     g = torch.Generator().manual_seed(5)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridkv.engine import cpu_ops
-from hybridkv.engine.kernels import resolve_backend
+from hybridkv.engine.attention.registry import resolve_backend
 from hybridkv.errors import InvalidConfigError
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason=f"cpu kernels unavailable: {cpu_ops.unavailable()}")
@@ -44,7 +44,7 @@ def test_rms_norm_of_zeros_is_zero():
 
 @pytest.mark.parametrize("seed", range(8))
 def test_rope_is_the_torch_ops_bit_for_bit(seed):
-    from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half
+    from hybridkv.engine.layers.rope import RotaryEmbedding, apply_rotate_half
 
     g = torch.Generator().manual_seed(seed)
     t, h = int(torch.randint(1, 7, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
@@ -186,7 +186,7 @@ def _run(code: str, **env) -> str:
 
 def test_without_the_kernels_the_engine_keeps_its_torch_path(tmp_path):
     code = (
-        "from hybridkv.engine import cpu_ops; from hybridkv.engine.kernels import resolve_backend\n"
+        "from hybridkv.engine import cpu_ops; from hybridkv.engine.attention.registry import resolve_backend\n"
         "from hybridkv.errors import InvalidConfigError\n"
         "print(cpu_ops.load(), cpu_ops.unavailable(), resolve_backend('auto', 'cpu', quantized=True))\n"
         "try:\n    resolve_backend('cpu', 'cpu')\nexcept InvalidConfigError as e:\n    print('refused:', e)\n"
@@ -211,7 +211,7 @@ def test_a_quantized_engine_gives_the_reference_backends_tokens(tiny_models):
         model = load_model(path)
         model.quantize_weights("int8", compute_dtype=torch.float32)
         kinds = {type(m).__name__ for m in model.modules() if getattr(m, "cpu_kernels", False)}
-        assert {"RMSNorm", "GatedMLP"} <= kinds and any(k.endswith("Attention") for k in kinds), kinds
+        assert {"RMSNorm", "RotateHalf", "GatedActivation"} <= kinds, kinds  # norms, RoPE, the gated activation
         runs = {}
         for backend in ("reference", "cpu"):
             model.use_cpu_kernels(backend == "cpu")
@@ -270,13 +270,14 @@ def test_loading_marks_the_module_used(tmp_path):
 def test_a_module_pruned_between_the_check_and_the_load_is_built_again(tmp_path):
     code = (
         "from hybridkv.engine import cpu_ops\n"
-        "real, calls = cpu_ops._import, []\n"
+        "from hybridkv.engine.cpu_ops import build\n"
+        "real, calls = build._import, []\n"
         "def flaky(path):\n"
         "    calls.append(path)\n"
         "    if len(calls) == 1:\n"
         "        path.unlink(); raise ImportError('gone')  # another process's build pruned it\n"
         "    return real(path)\n"
-        "cpu_ops._import = flaky\n"
+        "build._import = flaky\n"
         "print(cpu_ops.load() is not None, len(calls), calls[-1].exists(), cpu_ops.unavailable())\n"
     )
     assert _run(code, HYBRIDKV_CACHE_DIR=str(tmp_path)) == "True 2 True None"

@@ -12,9 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tests.support.hf_tiny import hf_generate
 
-from hybridkv.engine.decode_graphs import capture_sizes
+from hybridkv.engine.attention.decode_graphs import capture_sizes
 from hybridkv.engine.engine import EngineConfig, LLMEngine
-from hybridkv.engine.kernels import resolve_backend, triton_unavailable
+from hybridkv.engine.attention.registry import resolve_backend
+from hybridkv.engine.attention.triton_kernels import triton_unavailable
 from hybridkv.errors import InvalidConfigError
 from hybridkv.scheduler import SamplingParams
 

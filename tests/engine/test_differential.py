@@ -362,7 +362,7 @@ def test_engine_matches_transformers(family, variants):
         assert 1 in seen["sizes"] and max(seen["sizes"]) > 8, seen["sizes"]
 
 
-# ----------------------------------------------------- the crash cases of issue 10
+# ------------------------------- steps of only one-query segments (which once crashed)
 @pytest.mark.parametrize(
     "case",
     [

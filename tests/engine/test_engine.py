@@ -84,7 +84,7 @@ def check(outputs, logits, want):
 def _backends():
     """The attention backends this machine runs: the reference, and triton (its interpreter on a CPU)."""
     try:
-        from hybridkv.engine.kernels import triton_unavailable
+        from hybridkv.engine.attention.triton_kernels import triton_unavailable
 
         return ["reference"] + (["triton"] if triton_unavailable("cpu") is None else [])
     except ImportError:
@@ -222,7 +222,7 @@ def test_stop_token_ids_hold_with_ignore_eos_and_generation_config_eos_counts(re
 def test_default_pool_holds_one_request_of_max_model_len_under_any_budget(arch, tiny_models):
     """The engine's default pool, the planner's grouping and the scheduler's admission ask one
     bound: with max_num_seqs 1 the pool is exactly one request (+ the null block), and a
-    max_model_len request runs in it at every budget and block size (the issue's case: a
+    max_model_len request runs in it at every budget and block size (a case that failed: a
     40-token prompt on Mistral W 16 was refused by a default pool)."""
     from hybridkv.engine.models import load_model
 

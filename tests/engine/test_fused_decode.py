@@ -11,7 +11,7 @@ import torch
 from hybridkv.engine import cpu_ops
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.models import load_model
-from hybridkv.engine.models.fused_decode import FusedDecode
+from hybridkv.engine.attention.cpu_stack import FusedDecode
 from hybridkv.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason=f"cpu kernels unavailable: {cpu_ops.unavailable()}")
@@ -129,8 +129,8 @@ def test_a_step_outside_its_tables_changes_nothing(tiny_models):
     storage = meta.storage
     before = [storage.layer_kv(i).clone() for i in range(model.num_layers)]
     for bad in (meta.start + 10_000, meta.start * 0 - 1):
-        meta._memo.clear()
         meta.start = bad
+        meta.renew_state()  # a fresh step state: the positions are read from start
         h = hidden.clone()
         with pytest.raises(ValueError, match="outside"):
             run(h, rope, meta)
@@ -142,7 +142,7 @@ def test_a_plan_that_does_not_fit_together_is_refused(tiny_models):
     """decode_stack checks each layer's shapes, weights and indexes against the step first."""
     import struct
 
-    from hybridkv.engine.models import fused_decode
+    from hybridkv.engine.attention import cpu_stack as fused_decode
 
     _, fused, run, hidden, rope, meta = _a_decode_step(tiny_models, "llama", "int4")
     plan = fused._layer_plan(meta.storage)

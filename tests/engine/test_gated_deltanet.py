@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.models.gated_deltanet import (
+from hybridkv.engine.layers.gated_deltanet import (
     GatedDeltaNet,
     StateMetadata,
     StateStorage,

@@ -8,14 +8,14 @@ import sys
 
 import torch
 
-from hybridkv.engine.host import fit_threads_to_affinity, keep_freed_memory
+from hybridkv.engine.cpu_process import fit_threads_to_affinity, keep_freed_memory
 
 
 def test_keep_freed_memory_is_once_and_can_be_turned_off():
     first = keep_freed_memory()
     assert isinstance(first, bool) and keep_freed_memory() is first
     if sys.platform.startswith("linux"):
-        code = "from hybridkv.engine.host import keep_freed_memory as k; print(k())"
+        code = "from hybridkv.engine.cpu_process import keep_freed_memory as k; print(k())"
         for env, want in (({"HYBRIDKV_KEEP_FREED_MEMORY": "0"}, "False"), ({}, str(first))):
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                  env={**os.environ, "HYBRIDKV_KEEP_FREED_MEMORY": "1", **env}).stdout.strip()

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.host import long_tensor
+from hybridkv.engine.host_tensors import long_tensor
 from hybridkv.engine.models import load_model
-from hybridkv.engine.models.linear import SMALL_ROWS, Linear, PackedWeight, fuse_linears, linear, prepack_available
+from hybridkv.engine.layers.linear import SMALL_ROWS, Linear, PackedWeight, fuse_linears, linear, prepack_available
 
 needs_onednn = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN prepacking")
 
@@ -85,7 +85,7 @@ def test_long_tensor():
 
 @pytest.mark.parametrize("forced", ["transposed", "onednn"])
 def test_decode_kernel_is_forced_by_the_environment_and_both_match_f_linear(forced, monkeypatch):
-    from hybridkv.engine.models import linear as linear_module
+    from hybridkv.engine.layers import linear as linear_module
 
     monkeypatch.setenv("HYBRIDKV_DECODE_GEMM", forced)
     linear_module.decode_kernel.cache_clear()
@@ -106,7 +106,7 @@ def test_decode_kernel_is_forced_by_the_environment_and_both_match_f_linear(forc
 
 
 def test_decode_kernel_probe_picks_a_known_kernel(monkeypatch):
-    from hybridkv.engine.models import linear as linear_module
+    from hybridkv.engine.layers import linear as linear_module
 
     monkeypatch.setenv("HYBRIDKV_DECODE_GEMM", "no-such-kernel")  # ignored: the probe decides
     linear_module.decode_kernel.cache_clear()

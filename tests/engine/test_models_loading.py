@@ -19,8 +19,8 @@ from hybridkv.engine.models import (
     load_model,
     model_class_for,
 )
-from hybridkv.engine.models.rope import inv_freq_and_scale
-from hybridkv.engine.models.weights import eos_token_ids
+from hybridkv.engine.layers.rope import inv_freq_and_scale
+from hybridkv.engine.loading.weights import eos_token_ids
 from hybridkv.errors import InvalidConfigError, UnknownArchitectureError, WeightLoadError
 from hybridkv.planner.architectures import FAMILIES, model_layers
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.engine.models.norms import RMSNorm, rms_norm_heads
-from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half
+from hybridkv.engine.layers.norms import RMSNorm, rms_norm_heads
+from hybridkv.engine.layers.rope import RotaryEmbedding, apply_rotate_half
 
 DTYPES = (torch.float32, torch.bfloat16)
 

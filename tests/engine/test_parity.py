@@ -21,7 +21,8 @@ import torch
 from tests.support.engine_driver import Req, run_engine
 from tests.support.hf_tiny import CONFIGS, EXTRA_CONFIGS, hf_generate
 
-from hybridkv.engine.attention import AttentionMetadata, AttentionType
+from hybridkv.engine.attention.metadata import AttentionMetadata
+from hybridkv.engine.attention.types import AttentionType
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.engine.models import load_model

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hybridkv.engine import cpu_ops
-from hybridkv.engine.models.quantize import KERNEL_ROWS, Int4Weight, Int8Weight
+from hybridkv.engine.layers.quantized_linear import KERNEL_ROWS, Int4Weight, Int8Weight
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason=f"cpu kernels unavailable: {cpu_ops.unavailable()}")
 
@@ -193,7 +193,7 @@ def test_the_plain_c_build_computes_the_same(tmp_path):
     code = (
         "import torch\n"
         "from hybridkv.engine import cpu_ops\n"
-        "from hybridkv.engine.models.quantize import Int8Weight, Int4Weight\n"
+        "from hybridkv.engine.layers.quantized_linear import Int8Weight, Int4Weight\n"
         "assert cpu_ops.load() is not None, cpu_ops.unavailable()\n"
         "g = torch.Generator().manual_seed(0); worst = 0.0\n"
         "for n, k, m in ((7, 45, 3), (33, 64, 9), (5, 128, 1)):\n"

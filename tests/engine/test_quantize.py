@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.models import load_model
-from hybridkv.engine.models.quantize import Int4Weight, Int8Weight, int4_group_size, quantize_weight
+from hybridkv.engine.layers.quantized_linear import Int4Weight, Int8Weight, int4_group_size, quantize_weight
 from hybridkv.errors import InvalidConfigError
 
 
@@ -54,7 +54,7 @@ def test_int4_linear_equals_its_dequantized_weight(n, group, groups, seed):
 @pytest.mark.parametrize("cls", ["int8", "int4"])
 def test_large_inputs_run_on_the_dense_weight(cls):
     """Past KERNEL_ROWS rows (a prefill chunk) the dequantized weight and a dense GEMM: same values."""
-    from hybridkv.engine.models.quantize import KERNEL_ROWS
+    from hybridkv.engine.layers.quantized_linear import KERNEL_ROWS
 
     w, _ = _weights(48, 64, 7)
     q = quantize_weight(w, cls, torch.float32, group=32)

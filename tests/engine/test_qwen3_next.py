@@ -17,10 +17,10 @@ tf = pytest.importorskip("transformers")
 from tests.support.hf_tiny import hf_generate  # noqa: E402
 from tests.support.qwen3_next_tiny import COMMON, CONFIGS, FULL, LINEAR, build_qwen3_next, redraw  # noqa: E402
 
-from hybridkv.engine.attention import AttentionMetadata  # noqa: E402
+from hybridkv.engine.attention.metadata import AttentionMetadata  # noqa: E402
 from hybridkv.engine.kv_storage import PagedKVStorage  # noqa: E402
 from hybridkv.engine.models import load_model, model_class_for  # noqa: E402
-from hybridkv.engine.models.gated_deltanet import StateMetadata, StateStorage  # noqa: E402
+from hybridkv.engine.layers.gated_deltanet import StateMetadata, StateStorage  # noqa: E402
 from hybridkv.engine.models.qwen3_next import Qwen3NextForCausalLM  # noqa: E402
 from hybridkv.planner.architectures import model_layers  # noqa: E402
 

@@ -100,7 +100,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]]):
 
 def _triton_runs() -> bool:
     try:
-        from hybridkv.engine.kernels import triton_unavailable
+        from hybridkv.engine.attention.triton_kernels import triton_unavailable
     except ImportError:
         return False
     return triton_unavailable("cpu") is None

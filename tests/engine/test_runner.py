@@ -121,7 +121,7 @@ def test_runner_checks_storage_layout(llama4):
 
 def test_pinned_stager_regions_never_alias_within_a_step():
     """Uploads of one step keep their values while later ones fill (and outgrow) the buffer."""
-    from hybridkv.engine.host import PinnedStager
+    from hybridkv.engine.host_tensors import PinnedStager
 
     stager = PinnedStager("cpu", capacity=8)
     rng = torch.Generator().manual_seed(0)
@@ -138,7 +138,7 @@ def test_pinned_stager_regions_never_alias_within_a_step():
 def test_threads_fit_the_cores_the_process_may_use():
     import os
 
-    from hybridkv.engine.host import fit_threads_to_affinity
+    from hybridkv.engine.cpu_process import fit_threads_to_affinity
 
     before = torch.get_num_threads()
     try:

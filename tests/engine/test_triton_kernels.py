@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from hybridkv.engine.kernels import triton_unavailable  # noqa: E402
+from hybridkv.engine.attention.triton_kernels import triton_unavailable  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and triton_unavailable("cuda") is None else "cpu"
 if triton_unavailable(DEVICE) is not None:
@@ -23,8 +23,8 @@ if triton_unavailable(DEVICE) is not None:
 
 from tests.support.dense_attention import dense, first_key  # noqa: E402
 
-from hybridkv.engine.kernels.kv_write import write_kv  # noqa: E402
-from hybridkv.engine.kernels.paged_attention import (  # noqa: E402
+from hybridkv.engine.attention.triton_kernels.kv_write import write_kv  # noqa: E402
+from hybridkv.engine.attention.triton_kernels.paged_attention import (  # noqa: E402
     block_q_for,
     decode_splits,
     paged_attention_fwd,

@@ -84,7 +84,7 @@ def test_padding_ties_go_to_the_smaller_size():
 
 
 def test_known_budget_chooses_by_exact_capacity():
-    # the case: 3 full + 7 sliding layers, a context inside the window (every slot
+    # a tie: 3 full + 7 sliding layers, a context inside the window (every slot
     # 32 pages): sizes 3 and 4 pad 2 slots each; 3002 pages hold 7.805 vs 7.802 requests
     full, sw = spec("F"), spec("S", sliding_window=1024)
     specs = [full] * 3 + [sw] * 7

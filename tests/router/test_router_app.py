@@ -56,7 +56,7 @@ def test_a_refused_connection_marks_the_replica_down_and_goes_elsewhere():
         await router.probe_all()
         back = await client.post("/v1/completions", json={"prompt": "x"})
         fake.dead.add("r1")
-        await router.probe_all()  # a death the health probe finds counts too (issue 23, item 7)
+        await router.probe_all()  # a death the health probe finds counts too
         await router.probe_all()  # ... once
         described = (await client.get("/router/replicas")).json()["replicas"]
         return first, up, none, health, back, failures, described
@@ -106,7 +106,7 @@ def test_bad_bodies_are_400_and_unknown_routes_404():
 
 
 def test_a_body_nested_too_deeply_is_a_400():
-    """50,000 levels of JSON: the parser's RecursionError is a 400 in OpenAI's shape, not a 500 (issue 23, item 3)."""
+    """50,000 levels of JSON: the parser's RecursionError is a 400 in OpenAI's shape, not a 500."""
     fake = FakeReplicas(1)
 
     async def body(client, router):
@@ -123,7 +123,7 @@ def test_a_body_nested_too_deeply_is_a_400():
 
 def test_only_admitted_requests_expect_kv_events():
     """A 4xx from a replica admitted nothing: the router must not wait for its blocks' events
-    (it used to, and dropped a healthy replica's index on the timeout; issue 23, item 5)."""
+    (waiting dropped a healthy replica's index on the timeout)."""
     fake = FakeReplicas(1)
     served = []
 

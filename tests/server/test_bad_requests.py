@@ -84,7 +84,7 @@ CASES = [
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs", None),
     (CHAT, {"messages": MSG, "model": "other"}, 404, "model", "model_not_found"),
     (CHAT, {"messages": [{"role": "user", "content": "a" * 300}]}, 400, None, "context_length_exceeded"),
-    # lone surrogates (JSON "\ud800" escapes): not valid Unicode, a 400 naming the field (issue 23, item 2)
+    # lone surrogates (JSON "\ud800" escapes): not valid Unicode, a 400 naming the field
     (C, {"prompt": "a\ud800b"}, 400, "prompt", None),
     (C, {"prompt": ["ok", "\udfff"]}, 400, "prompt", None),
     (CHAT, {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages", None),

@@ -1,7 +1,7 @@
-"""A 20 MB prompt against live ``hybridkv serve`` and ``hybridkv route`` processes (issue 23,
-item 4): with the size limit raised so that it gets through, the prompt is refused as too
-long for the context without being tokenized, and ``/health`` on both answers within a
-second the whole time; the router keeps its replica up."""
+"""A 20 MB prompt against live ``hybridkv serve`` and ``hybridkv route`` processes: with
+the size limit raised so that it gets through, the prompt is refused as too long for the
+context without being tokenized, and ``/health`` on both answers within a second the
+whole time; the router keeps its replica up."""
 
 from __future__ import annotations
 

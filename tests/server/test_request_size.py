@@ -1,4 +1,4 @@
-"""Large and slow requests (issue 23 item 4), in-process: a body over ``max_request_bytes`` is
+"""Large and slow requests, in-process: a body over ``max_request_bytes`` is
 a 413 in OpenAI's error shape before anything parses it (declared or chunked); a prompt that
 cannot fit the context is refused before it is tokenized; parsing and tokenization run off the
 event loop, so ``/health`` answers while a slow request is being prepared."""

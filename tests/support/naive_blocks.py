@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hybridkv.engine.attention import AttentionType
+from hybridkv.engine.attention.types import AttentionType
 from hybridkv.engine.kv_storage import PagedKVStorage
 
 NULL = 0

@@ -7,7 +7,7 @@
 - :mod:`~hybridkv.checkpoint.model_dir`: a model directory's ``config.json`` and safetensors files.
 - :mod:`~hybridkv.checkpoint.config`: ``read_model_config(source)`` for any of them.
 
-The torch side (dequantizing, renaming, loading) is :mod:`hybridkv.engine.models.gguf_weights`.
+The torch side (dequantizing, renaming, loading) is :mod:`hybridkv.engine.loading.gguf_weights`.
 numpy and the ``gguf`` package are imported only when a GGUF file is read.
 """
 

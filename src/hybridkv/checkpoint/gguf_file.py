@@ -1,9 +1,9 @@
 """A fast, strict reader of GGUF (v2 / v3) headers: metadata as plain Python values, tensor infos.
 
-The gguf package's ``GGUFReader`` builds a numpy view per metadata array entry (19 s on
-Gemma 3 270M's 262,144-token vocabulary); this reader walks the header once with
-``struct`` and turns numeric arrays into lists through one ``np.frombuffer`` each
-(~0.3 s). It uses the package's constants (value types, ggml types, block sizes) only.
+The gguf package's ``GGUFReader`` builds a numpy view per metadata array entry (one
+per token of a vocabulary, e.g. Gemma 3 270M's 262,144); this reader walks the header
+once with ``struct`` and turns numeric arrays into lists through one ``np.frombuffer``
+each. It uses the package's constants (value types, ggml types, block sizes) only.
 
 The layout (little-endian; ``str`` = u64 byte length + UTF-8 bytes)::
 

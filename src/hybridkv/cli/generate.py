@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.cli import write_out
-from hybridkv.cli.engine_args import add_engine_options, check_pool, engine_config, require_engine_dependencies
+from hybridkv.cli.engine_args import add_engine_options, check_kv_pool_fits, engine_config, require_engine_dependencies
 from hybridkv.cli.model_dir import resolve_model_source
 from hybridkv.cli.options import SEED_MAX, finite_float, int_range
 from hybridkv.errors import InvalidArgumentError
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     source = resolve_model_source(args.model)  # an installed name, a checked GGUF header, or a checked dir
     require_engine_dependencies()
     loaded = load_model_config(source.path)
-    check_pool(args, loaded.config, loaded.label)
+    check_kv_pool_fits(args, loaded.config, loaded.label)
 
     from hybridkv.engine.llm import LLM, checkpoint_tokenizer, encode_prompt
 

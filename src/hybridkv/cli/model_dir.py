@@ -44,7 +44,7 @@ _WANTED_ANY = f"an installed model ({', '.join(INSTALLED_MODELS)}), a .gguf file
 
 def check_gguf_file(path: Path) -> None:
     """GGUFFormatError for a file that is not a complete GGUF file, UnknownArchitectureError for
-    an architecture hybridkv cannot run (reads the header only: ~0.3 s for Gemma 3 270M)."""
+    an architecture hybridkv cannot run (reads the header only)."""
     gguf = GGUFFile.open(path)
     hf_config_from_gguf(gguf.metadata, [t.name for t in gguf.tensors])
 

@@ -23,7 +23,7 @@ import logging
 import socket
 import sys
 
-from hybridkv.cli.engine_args import add_engine_options, check_pool, engine_config, require_engine_dependencies
+from hybridkv.cli.engine_args import add_engine_options, check_kv_pool_fits, engine_config, require_engine_dependencies
 from hybridkv.cli.http_server import (
     add_connection_limits,
     add_max_request_bytes,
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.planner.presets import load_model_config
 
     loaded = load_model_config(source.path)
-    check_pool(args, loaded.config, loaded.label)
+    check_kv_pool_fits(args, loaded.config, loaded.label)
     sock = bind_socket(config.host, config.port)  # a port in use is refused before the model loads
     try:
         return _serve(args, config, source, sock)

@@ -11,34 +11,32 @@ Life of a block::
 Block 0 is the *null block*: it stands in a block table for tokens no future token
 attends to. It is never in the free queue, never cached and never freed.
 
-Eviction order. The free queue (:class:`FreeBlockQueue`, O(1) per operation) is
-an LRU of cached free blocks (CPython's ``OrderedDict``, a doubly-linked list in
-C) behind stacks of uncached ones; blocks are taken from its head. A freed block
-that holds a cached prefix goes to the LRU's tail; a freed block with no hash is
-worth nothing and goes to the head, so a cached block is never evicted while an
-uncached free block exists. A request frees
-its blocks tail-most first, so its deepest (least shareable) blocks are evicted
-first. Example: a request with blocks [5(cached) 6(cached) 7(partial)] freed onto
-the queue [3] gives [7, 3, 6, 5]: 7 is reused first, then 3, then 6 before 5.
-With ``uncached_first=False`` the queue is plain LRU as in vLLM: [3, 7, 6, 5].
+Eviction order. The free queue (:class:`FreeBlockQueue`, O(1) per operation) is an
+LRU of cached free blocks behind stacks of uncached ones; blocks are taken from its
+head. A freed block that holds a cached prefix goes to the LRU's tail, a freed block
+with no hash to the head, so a cached block is never evicted while an uncached free
+block exists. A request frees its blocks tail-most first, so its deepest (least
+shareable) blocks are evicted first. Example: a request with blocks [5(cached)
+6(cached) 7(partial)] freed onto the queue [3] gives [7, 3, 6, 5]: 7 is reused first,
+then 3, then 6 before 5. With ``uncached_first=False`` the queue is plain LRU as in
+vLLM: [3, 7, 6, 5].
 
 Stripes. k KV cache groups with one spec (Llama-4-Scout's three chunked groups)
-advance in lock-step: at every position of a request each holds one block, and
-they are allocated, cached, hit, touched and freed together. The pool lets such
-groups hold a *stripe*: k blocks that share one reference count, one free-queue
-entry and one prefix-cache entry, all kept on the stripe's *lead* (the block of
-the first group), which lists the members; the other members (*followers*) are
-reached only through it. A stripe costs one operation where k blocks would cost
-k. Stripes are made and unmade on allocation: a request of one group that pops a free stripe takes its
-members as plain blocks, a striped request that pops plain blocks binds k of them
-into a stripe. Counts are always in blocks (a free stripe of 3 is 3 free blocks).
-A fresh pool starts bound into stripes of the widest striped group, and free
-uncached entries are kept by width (see :class:`FreeBlockQueue`), so plain
-requests take plain blocks and striped ones stripes; cached entries, evicted in
-LRU order, are unmade or bound as needed. Example (groups 1-3 striped, a fresh
-pool of 8: stripes (1, 2, 3), (4, 5, 6) and plain 7): ``get_new_blocks(2)``
-takes 7, then unmakes (1, 2, 3), takes 1 and keeps 2 and 3 as free plain blocks
-(reused first); ``get_new_stripes(1, 3)`` takes stripe (4, 5, 6) whole.
+advance in lock-step: at every position of a request each holds one block, and they
+are allocated, cached, hit, touched and freed together. The pool lets such groups hold
+a *stripe*: k blocks that share one reference count, one free-queue entry and one
+prefix-cache entry, all kept on the stripe's *lead* (the block of the first group),
+which lists the members; the other members (*followers*) are reached only through it.
+Stripes are made and unmade on allocation: a request of one group that pops a free
+stripe takes its members as plain blocks, a striped request that pops plain blocks
+binds k of them into a stripe. Counts are always in blocks (a free stripe of 3 is 3
+free blocks). A fresh pool starts bound into stripes of the widest striped group, and
+free uncached entries are kept by width, so plain requests take plain blocks and
+striped ones stripes; cached entries, evicted in LRU order, are unmade or bound as
+needed. Example (groups 1-3 striped, a fresh pool of 8: stripes (1, 2, 3), (4, 5, 6)
+and plain 7): ``get_new_blocks(2)`` takes 7, then unmakes (1, 2, 3), takes 1 and keeps
+2 and 3 as free plain blocks (reused first); ``get_new_stripes(1, 3)`` takes stripe
+(4, 5, 6) whole.
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ from typing import Iterable, Sequence
 from hybridkv.core.blocks import NULL_BLOCK_ID, FreeBlockQueue, KVCacheBlock, bind_stripes, unmake_stripe
 from hybridkv.core.events import AllBlocksCleared, KVCacheEvent
 from hybridkv.core.hashing import BlockHash
-from hybridkv.core.pool_invariants import check_pool
+from hybridkv.core.pool_invariants import check_block_pool_invariants
 from hybridkv.core.prefix_cache_map import PrefixCacheMap
 from hybridkv.core.usage import usable_blocks
 from hybridkv.errors import InvalidArgumentError, InvariantViolation
@@ -357,4 +355,4 @@ class BlockPool(PrefixCacheMap):
         from the managers) must match every non-null block's ref_cnt when given (a
         follower's entries must match its lead's ref_cnt).
         """
-        check_pool(self, expected_ref_counts)
+        check_block_pool_invariants(self, expected_ref_counts)

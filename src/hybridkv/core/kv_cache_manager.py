@@ -19,11 +19,15 @@ Block layout of one ``allocate_slots`` call (tokens)::
     |<-- num_computed_tokens ------>|
                                     |<- slots to allocate ->|
     |<------ cached after the call ----------->|
+
+Its parts beside it (none imports this module): :mod:`~hybridkv.core.prefix_hits` (finding,
+checking and refreshing hits; the stats), :mod:`~hybridkv.core.quiet_spans` (the decode
+fast path), :mod:`~hybridkv.core.request_checks` (misuse checks) and
+:mod:`~hybridkv.core.manager_invariants` (``check_invariants``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from hybridkv.core.config import CacheManagerConfig, KVCacheConfig
@@ -31,35 +35,24 @@ from hybridkv.core.coordinator import KVCacheCoordinator
 from hybridkv.core.events import KVCacheEvent
 from hybridkv.core.hashing import MultiModalFeature
 from hybridkv.core.kv_cache_blocks import KVCacheBlocks
-from hybridkv.core.managers.base import NEVER
+from hybridkv.core.manager_invariants import check_manager_invariants
 from hybridkv.core.managers.state import aligned_num_new_tokens
+from hybridkv.core.prefix_hits import PrefixCacheStats, decode_hit, find_computed_hit, refresh_hit, take_hit
 from hybridkv.core.prefix_pins import PrefixPins
+from hybridkv.core.quiet_spans import QuietSpan, quiet_span
 from hybridkv.core.request import BlockHasher, Request
+from hybridkv.core.request_checks import check_count, check_request, request_to_free, unknown_request_id
 from hybridkv.core.usage import PoolUsage, UsagePeaks, pool_usage, usable_blocks
 from hybridkv.errors import (
     InvalidArgumentError,
     InvalidConfigError,
-    InvariantViolation,
     PromptTooLongError,
     RequestError,
-    RequestFreedError,
     UnknownRequestError,
 )
 
+# KVCacheBlocks and PrefixCacheStats are named here too: callers take all three from this module
 __all__ = ["KVCacheManager", "KVCacheBlocks", "PrefixCacheStats"]
-
-
-@dataclass(slots=True)
-class PrefixCacheStats:
-    """Prefix-cache lookups since the last reset, in tokens."""
-
-    requests: int = 0
-    queries: int = 0
-    hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:
@@ -95,10 +88,8 @@ class KVCacheManager:
         self._freed: set[str] = set()
         self._empty = KVCacheBlocks(tuple([] for _ in range(self.coordinator.num_groups)))
         self._no_new_blocks = KVCacheBlocks(tuple(() for _ in range(self.coordinator.num_groups)))
-        # request id -> (request, most tokens it can reach with nothing to allocate or cache,
-        #                num_computed_tokens at which a block dies, the count when recorded):
-        #                the decode fast path
-        self._quiet: dict[str, tuple[Request, int, int, int]] = {}
+        # request id -> its span of the decode fast path
+        self._quiet: dict[str, QuietSpan] = {}
         self._peaks = UsagePeaks(self.coordinator.num_groups)  # pool_usage()'s peaks
 
     # ------------------------------------------------------------- requests
@@ -118,18 +109,6 @@ class KVCacheManager:
         return Request(request_id, prompt_token_ids, hasher=self.hasher, lora_name=lora_name,
                        cache_salt=cache_salt, mm_features=mm_features)
 
-    def _check_request(self, request: Request) -> None:
-        """A Request whose hashes this manager can use (made by a manager of the same
-        block size and hash, or without a hasher: then it is never cached)."""
-        if not isinstance(request, Request):
-            raise InvalidArgumentError(f"expected a Request, got {request!r:.60}")
-        hasher = request._hasher
-        if hasher is not None and hasher is not self.hasher and not (self.hasher and self.hasher.compatible(hasher)):
-            raise InvalidArgumentError(
-                f"request {request.request_id!r} was hashed with block size {hasher.block_size} or another "
-                f"hash; make it with this manager's make_request"
-            )
-
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest cached prefix of a new request valid for every group.
 
@@ -138,17 +117,10 @@ class KVCacheManager:
         Takes no references: pass the result to :meth:`allocate_slots` before any
         other request is allocated (see there for a hit that went stale meanwhile).
         """
-        self._check_request(request)
+        check_request(request, self.hasher)
         if not self.enable_caching:
             return self._empty, 0
-        if self.coordinator.state_managers:
-            hit, num_hit, request.shared_prefix_boundary = self.coordinator.find_hit_and_junction(
-                request.block_hashes, request.num_tokens - 1)
-        else:
-            hit, num_hit = self.coordinator.find_hit(request.block_hashes, request.num_tokens - 1)
-        self.stats.requests += 1
-        self.stats.queries += request.num_tokens
-        self.stats.hits += num_hit
+        hit, num_hit = find_computed_hit(self.coordinator, request, self.stats)
         if not num_hit:
             return self._empty, 0
         return KVCacheBlocks(hit=hit, coordinator=self.coordinator, request=request,
@@ -173,11 +145,8 @@ class KVCacheManager:
         other requests in between can evict its blocks. Such a *stale* hit raises
         StaleHitError with nothing changed; call get_computed_blocks again (the
         hit may now be shorter, and the caller's token counts follow it, which is
-        why the manager does not silently re-find it). Checking costs O(1) when no
-        cached block lost its address since the hit was found (the pool's cache
-        epoch) and the hit is passed for the request it was found for; else one
-        pass over the hit's blocks compares each one's hash and group with the
-        request's hash at that position.
+        why the manager does not silently re-find it). When the check costs O(1):
+        :mod:`hybridkv.core.prefix_hits`.
 
         Misuse raises a typed error (``hybridkv.errors``), again with nothing
         changed: negative or non-int counts (the request's num_computed_tokens
@@ -185,17 +154,15 @@ class KVCacheManager:
         one beyond max_model_len, a hit for a request that already holds blocks,
         or a new (or freed) request whose num_computed_tokens is not 0.
 
-        Fast path: most decode steps need no block (the last one has room, no block
-        fills, none dies). After each call the manager remembers up to which token
-        count that holds (block 16: a request with 2 blocks, 1 cached, 20 computed
-        is quiet while it needs <= 31 slots and fewer than the next chunk start
-        tokens are computed), and answers such calls at once with no new blocks.
+        Fast path (:mod:`hybridkv.core.quiet_spans`): most decode steps need no block;
+        after each call the manager remembers up to which token count that holds, and
+        answers such calls at once with no new blocks.
         """
         try:
             quiet = self._quiet.get(request.request_id)
             if (
                 quiet is not None
-                and quiet[0] is request
+                and quiet.request is request
                 and type(num_new_tokens) is int
                 and num_new_tokens >= 0
                 and new_computed_blocks is None
@@ -205,22 +172,18 @@ class KVCacheManager:
                 computed = request.num_computed_tokens
                 total = computed + num_new_tokens
                 if (
-                    total <= quiet[1]
-                    and quiet[3] <= computed < quiet[2]
+                    total <= quiet.max_tokens
+                    and quiet.min_computed <= computed < quiet.skip_at
                     and type(computed) is int
                     and total <= len(request.all_token_ids)
                 ):
                     return self._no_new_blocks
         except (AttributeError, TypeError):  # not a Request / a non-number computed count: see below
             pass
-        for name, value in (
-            ("num_new_tokens", num_new_tokens),
-            ("num_new_computed_tokens", num_new_computed_tokens),
-            ("num_lookahead_tokens", num_lookahead_tokens),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
-        self._check_request(request)
+        check_count("num_new_tokens", num_new_tokens)
+        check_count("num_new_computed_tokens", num_new_computed_tokens)
+        check_count("num_lookahead_tokens", num_lookahead_tokens)
+        check_request(request, self.hasher)
         computed = request.check_num_computed_tokens()
         rid = request.request_id
         coord = self.coordinator
@@ -238,18 +201,7 @@ class KVCacheManager:
                 f"request {rid!r}: num_computed_tokens {computed} moved back past blocks already freed "
                 f"(outside the window / before the chunk); free the request and recompute it"
             )
-        hit, trusted = self._decode_hit(request, new_computed_blocks)
-        hit_blocks = 0
-        if hit is not None or num_new_computed_tokens:
-            if live is not None:
-                raise RequestError(f"request {rid!r} already holds blocks; prefix hits are for new requests")
-            if hit is not None:
-                hit_blocks = len(next(iter(hit.values()))) if trusted else coord.check_hit(hit, request.block_hashes)
-            if hit_blocks * self.block_size != num_new_computed_tokens:
-                raise InvalidArgumentError(
-                    f"num_new_computed_tokens {num_new_computed_tokens} != "
-                    f"{hit_blocks * self.block_size} tokens of new_computed_blocks"
-                )
+        hit = take_hit(coord, request, new_computed_blocks, num_new_computed_tokens, self.block_size, live is not None)
         num_computed = computed + num_new_computed_tokens
         num_tokens = num_computed + num_new_tokens
         if num_tokens > self.max_model_len:
@@ -262,7 +214,7 @@ class KVCacheManager:
             )
         num_slots = min(num_tokens + num_lookahead_tokens, self.max_model_len)
 
-        if live is not None and (quiet is None or computed >= quiet[2]):
+        if live is not None and (quiet is None or computed >= quiet.skip_at):
             coord.remove_skipped_blocks(rid, computed)  # a block may have died
         need = coord.get_num_blocks_to_allocate(rid, num_slots, hit, num_computed)
         if need > self.pool.num_free_blocks:
@@ -278,55 +230,14 @@ class KVCacheManager:
         self._remember_quiet(request)
         return KVCacheBlocks(hit=new, coordinator=coord)
 
-    def _decode_hit(self, request: Request, new_computed_blocks: KVCacheBlocks | None) -> tuple[dict | None, bool]:
-        """(the hit as {manager: first-group blocks} or None, trusted): trusted when it was
-        found for this request and no cached block lost its address since (then it needs
-        no content check)."""
-        if new_computed_blocks is None:
-            return None, False
-        if not isinstance(new_computed_blocks, KVCacheBlocks):
-            raise InvalidArgumentError(
-                f"new_computed_blocks must be KVCacheBlocks (from get_computed_blocks), got {new_computed_blocks!r:.60}"
-            )
-        if new_computed_blocks._hit is not None and new_computed_blocks._coordinator is self.coordinator:
-            trusted = new_computed_blocks._request is request and new_computed_blocks._epoch == self.pool.cache_epoch
-            return new_computed_blocks._hit or None, trusted
-        return self.coordinator.hit_of(new_computed_blocks.blocks) or None, False
-
     def _remember_quiet(self, request: Request) -> None:
         """Record how far the request can go with no allocation, caching or skipping."""
-        rid = request.request_id
-        bs = self.block_size
-        limit = self.max_model_len
-        skip_at = NEVER
-        for m in self.coordinator.managers:
-            st = m.requests[rid]
-            slots = len(st.blocks) * bs
-            if slots < limit:
-                limit = slots
-            if self.enable_caching and (st.num_cached + 1) * bs - 1 < limit:
-                limit = (st.num_cached + 1) * bs - 1
-            at = m.next_skip_at(st.num_skipped)
-            if at < skip_at:
-                skip_at = at
-        # computed counts below today's take the slow path (a count moved back is checked there)
-        self._quiet[rid] = (request, limit, skip_at, request.num_computed_tokens)
+        self._quiet[request.request_id] = quiet_span(request, self.coordinator.managers, self.block_size,
+                                                     self.max_model_len, self.enable_caching)
 
     def free(self, request: Request | str) -> None:
         """Return every block of a finished or preempted request to the pool."""
-        if isinstance(request, str):
-            rid = request
-        elif isinstance(request, Request):
-            rid = request.request_id
-        else:
-            raise InvalidArgumentError(f"free takes a Request or a request id, got {request!r:.60}")
-        live = self._live.get(rid)
-        if live is None:
-            if rid in self._freed:
-                raise RequestFreedError(f"request {rid!r} was already freed")
-            raise UnknownRequestError(f"request {rid!r} holds no blocks")
-        if live is not request and not isinstance(request, str):
-            raise RequestError(f"another request with id {rid!r} holds the blocks; this one holds none")
+        rid = request_to_free(request, self._live, self._freed)
         del self._live[rid]
         self._quiet.pop(rid, None)
         self.coordinator.free(rid)
@@ -344,18 +255,17 @@ class KVCacheManager:
         (tokens 4-11): ``uncache_unwritten(req, 6)`` uncaches positions 6 // 4 = 1 onwards,
         the blocks of tokens 4-11; block 0 (tokens 0-3, written before) stays cached.
         """
-        self._check_request(request)
+        check_request(request, self.hasher)
         rid = request.request_id
         if self._live.get(rid) is not request:
             raise UnknownRequestError(f"request {rid!r} holds no blocks")
-        if isinstance(num_written_tokens, bool) or not isinstance(num_written_tokens, int) or num_written_tokens < 0:
-            raise InvalidArgumentError(f"num_written_tokens must be a non-negative int, got {num_written_tokens!r}")
+        check_count("num_written_tokens", num_written_tokens)
         self._quiet.pop(rid, None)
         return self.coordinator.uncache_from(rid, num_written_tokens // self.block_size)
 
     def remove_skipped_blocks(self, request: Request) -> None:
         """Free the request's blocks no future token attends to, now (allocate_slots also does)."""
-        self._check_request(request)
+        check_request(request, self.hasher)
         if request.request_id not in self._live:
             raise UnknownRequestError(f"request {request.request_id!r} holds no blocks")
         self.coordinator.remove_skipped_blocks(request.request_id, request.check_num_computed_tokens())
@@ -375,11 +285,11 @@ class KVCacheManager:
         blocks it keeps, plus the hit blocks that are free now (adopting takes them from
         the free queue). Block 4, full + chunked 8, budget 4: the chunked bound is 3
         blocks, so 20 tokens with no hit need 5 + 3 = 8 blocks."""
-        self._check_request(request)
+        check_request(request, self.hasher)
         rid = request.request_id
         if rid in self._live:
             raise InvalidArgumentError(f"request {rid!r} already holds blocks; admission is for waiting requests")
-        hit = (self._decode_hit(request, new_computed_blocks)[0] if num_new_computed_tokens else None) or {}
+        hit = (decode_hit(self.coordinator, request, new_computed_blocks)[0] if num_new_computed_tokens else None) or {}
         bs = self.block_size
         return sum(
             m.get_num_blocks_to_allocate(
@@ -390,15 +300,9 @@ class KVCacheManager:
         )
 
     # ------------------------------------------------------------ inspection
-    def _known(self, request_id: str) -> None:
-        """UnknownRequestError unless the request holds blocks (a non-str id: InvalidArgumentError)."""
-        if not isinstance(request_id, str):
-            raise InvalidArgumentError(f"a request id must be a str, got {request_id!r:.60}")
-        raise UnknownRequestError(f"request {request_id!r} holds no blocks")
-
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         if not self.has_request(request_id):
-            self._known(request_id)
+            unknown_request_id(request_id)
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -408,7 +312,7 @@ class KVCacheManager:
         except TypeError:  # an unhashable id
             live = False
         if not live:
-            self._known(request_id)
+            unknown_request_id(request_id)
         return self.coordinator.get_block_ids(request_id)
 
     def has_request(self, request_id: str) -> bool:
@@ -473,19 +377,11 @@ class KVCacheManager:
         to the LRU's tail (:meth:`BlockPool.refresh`), so that the requests scheduled before
         it evict other cached blocks first. Takes no reference and counts no query; the
         hit is found again, as usual, when the request is scheduled. Returns the hit's
-        tokens (whole blocks, at most ``num_tokens - 1``).
-
-        For a request queued behind others (a server, or a router that sent it here
-        because of this prefix): without it, a long queue's allocations can evict the
-        prefix it came for. SGLang's radix cache refreshes a match's access time on the
-        same occasion. Within each group the hit's tail blocks move first, so they stay
-        evicted before its head, as when a request frees its blocks.
+        tokens (whole blocks, at most ``num_tokens - 1``). Meant for a request queued behind
+        others; why, and in which order the blocks move: :mod:`hybridkv.core.prefix_hits`.
         """
-        self._check_request(request)
-        hit, num_hit = self.coordinator.find_hit(request.block_hashes, request.num_tokens - 1)  # {} without caching
-        for leads in hit.values():
-            self.pool.refresh(leads[::-1])
-        return num_hit
+        check_request(request, self.hasher)
+        return refresh_hit(self.coordinator, request)
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV events since the last call (only when built with enable_kv_events)."""
@@ -496,25 +392,6 @@ class KVCacheManager:
         return self.pool.reset_prefix_cache()
 
     def check_invariants(self) -> None:
-        """Raise InvariantViolation if the pool, the tables or the live set are inconsistent."""
-        coord = self.coordinator
-        live = set(self._live)
-        for m in coord.managers:
-            if set(m.requests) != live:
-                raise InvariantViolation(
-                    f"manager of groups {m.group_ids} knows {sorted(m.requests)}, live {sorted(live)}"
-                )
-        if any(rid in self.pins for rid in live):
-            raise InvariantViolation("a request holding blocks is still pinned")
-        coord.check_invariants(self.pins.ref_counts())
-        # content: a cached block at index i of a request's table holds that request's block i
-        # (a stripe's hash is on its lead, in the manager's first group's table)
-        for rid, request in self._live.items():
-            for m in coord.managers:
-                for i, block in enumerate(m.state(rid).blocks):
-                    key = block.block_hash
-                    if key is not None and (i >= len(request.block_hashes) or key != request.block_hashes[i]):
-                        raise InvariantViolation(
-                            f"request {rid!r} group {m.group_ids[0]}: block {block.block_id} at {i} "
-                            f"caches other content"
-                        )
+        """Raise InvariantViolation if the pool, the tables or the live set are inconsistent
+        (:mod:`hybridkv.core.manager_invariants`)."""
+        check_manager_invariants(self.coordinator, self._live, self.pins)

@@ -1,19 +1,43 @@
-"""Consistency checks of a :class:`~hybridkv.core.block_pool.BlockPool` (tests call them after every step)."""
+"""Consistency checks of a block pool (tests call them after every step, through
+:meth:`BlockPool.check_invariants <hybridkv.core.block_pool.BlockPool.check_invariants>`).
+
+The checks read the pool through :class:`PoolState`, which :class:`~hybridkv.core.block_pool.BlockPool`
+satisfies; this module does not import ``block_pool`` (``block_pool`` imports it).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from hybridkv.core.blocks import NULL_BLOCK_ID
+from hybridkv.core.blocks import NULL_BLOCK_ID, FreeBlockQueue, KVCacheBlock
+from hybridkv.core.hashing import BlockHash
 from hybridkv.errors import InvariantViolation
 
-if TYPE_CHECKING:
-    from hybridkv.core.block_pool import BlockPool
-
-__all__ = ["check_pool"]
+__all__ = ["PoolState", "check_block_pool_invariants"]
 
 
-def check_pool(pool: BlockPool, expected_ref_counts: dict[int, int] | None = None) -> None:
+class PoolState(Protocol):
+    """What the checks read of a block pool. The underscored members are the pool's own
+    bookkeeping (see :class:`~hybridkv.core.block_pool.BlockPool`), read here, never written."""
+
+    num_blocks: int
+    num_groups: int
+    enable_caching: bool
+    blocks: list[KVCacheBlock]
+    null_block: KVCacheBlock
+    free_queue: FreeBlockQueue
+    #: per group: block hash -> block, or {block_id: block} when several blocks hold one hash
+    _cached: list[dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]]]
+    #: striped groups: lead group -> all its groups
+    _stripe_groups: dict[int, tuple[int, ...]]
+    #: group -> (lead group, index in the stripe)
+    _member_of: list[tuple[int, int]]
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+
+def check_block_pool_invariants(pool: PoolState, expected_ref_counts: dict[int, int] | None = None) -> None:
     """The checks behind :meth:`BlockPool.check_invariants`."""
 
     def fail(msg: str) -> None:
@@ -36,7 +60,7 @@ def check_pool(pool: BlockPool, expected_ref_counts: dict[int, int] | None = Non
             if block.block_hash is not None or block.width != width:
                 fail(f"uncached stack of width {width} holds block {block.block_id} (width {block.width})")
     # followers: block id -> its lead, from the leads' member lists
-    lead_of: dict[int, object] = {}
+    lead_of: dict[int, KVCacheBlock] = {}
     for block in pool.blocks[1:]:
         if block.stripe is None:
             continue

@@ -4,7 +4,7 @@
     outputs = engine.generate([[1, 2, 3], [1, 2, 4]], SamplingParams(max_tokens=16))
 
 Built from the pieces in layer order: the model's config → the planner's caches and
-groups (:class:`~hybridkv.engine.layout.EngineLayout`: equal group sizes, tensors shared
+groups (:class:`~hybridkv.engine.kv_layout.KVLayout`: equal group sizes, tensors shared
 by position) → ``KVCacheManager`` over the groups → ``Scheduler`` → ``PagedModelRunner``
 over a ``PagedKVStorage`` laid out like the attention groups. Prefix caching is on by default.
 
@@ -63,16 +63,16 @@ import torch
 from hybridkv.checkpoint import ModelSource
 from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.engine import cpu_ops
-from hybridkv.engine.decode_graphs import DecodeGraphs
+from hybridkv.engine.attention.decode_graphs import DecodeGraphs
 from hybridkv.engine_config import EngineConfig
-from hybridkv.engine.host import fit_threads_to_affinity, keep_freed_memory
-from hybridkv.engine.kernels import resolve_backend
+from hybridkv.engine.cpu_process import fit_threads_to_affinity, keep_freed_memory
+from hybridkv.engine.attention.registry import get_backend, resolve_backend
 from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation, torch_dtype
-from hybridkv.engine.layout import EngineLayout
+from hybridkv.engine.kv_layout import KVLayout
 from hybridkv.engine.kv_summary import KVSummary, UsageTracker, kv_bytes_per_request, state_bytes_per_request
 from hybridkv.engine.model_runner import PagedModelRunner
 from hybridkv.engine.models import load_model
-from hybridkv.engine.models.quantize import check_quantization
+from hybridkv.engine.layers.quantized_linear import check_quantization
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.outputs import Progress, RequestDelta, RequestOutput, prompt_scores
 from hybridkv.engine.state_runner import StateRunner
@@ -99,7 +99,7 @@ class LLMEngine:
 
     def __init__(self, model: str | Path | ModelSource | CausalLM, config: EngineConfig = EngineConfig()):
         self.config = config
-        #: the attention backend in use ("reference", "triton" or "cpu"), resolved from config.attention_backend
+        #: the attention backend in use (a registered name), resolved from config.attention_backend
         self.attention_backend = resolve_backend(config.attention_backend, torch.device(config.device).type,
                                                  quantized=config.quantization is not None)
         check_quantization(config.quantization, config.device)  # before the model loads
@@ -130,7 +130,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or m.max_position_embeddings
         memory = None if config.kv_cache_memory is None else parse_bytes(config.kv_cache_memory)
         #: the caches, groups and pool arithmetic (the planner's, at this engine's dtype)
-        self.layout = layout = EngineLayout.plan(
+        self.layout = layout = KVLayout.plan(
             m.config, family=m.family, block_size=config.block_size, dtype=config.dtype,
             max_model_len=self.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
             hybrid=config.hybrid, group_size=config.group_size, memory_bytes=memory,
@@ -168,7 +168,7 @@ class LLMEngine:
             )
         #: pure-decode steps over static padded buffers, replayed as CUDA graphs on CUDA (None: all eager)
         self.decode_graphs: DecodeGraphs | None = None
-        if (self.attention_backend == "triton" and not config.enforce_eager and self.states is None
+        if (get_backend(self.attention_backend).decode_graphs and not config.enforce_eager and self.states is None
                 and m.supports_cuda_graphs):
             self.decode_graphs = DecodeGraphs(m, self.storage, config.max_num_seqs, self.max_model_len)
         self.runner = PagedModelRunner(m, self.storage, seed=config.seed,

@@ -32,9 +32,10 @@ from typing import Mapping, Sequence
 import torch
 
 from hybridkv.core.specs import KVCacheSpec
-from hybridkv.engine.attention import AttentionMetadata
-from hybridkv.engine.decode_graphs import DecodeGraphs
-from hybridkv.engine.host import PinnedStager, long_tensor
+from hybridkv.engine.attention.metadata import AttentionMetadata
+from hybridkv.engine.attention.decode_graphs import DecodeGraphs
+from hybridkv.engine.attention.registry import get_backend
+from hybridkv.engine.host_tensors import PinnedStager, long_tensor
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.prompt_logprobs import chunk_targets, prompt_logprobs as score_prompt
@@ -133,12 +134,13 @@ class PagedModelRunner:
         #: a step's ints reach a CUDA device through pinned memory, with no host synchronisation
         self.stager = PinnedStager(self.device) if self.device.type == "cuda" else None
         self._ints = self.stager.long_tensor if self.stager is not None else partial(long_tensor, device=self.device)
-        #: "reference" or "triton" (resolved: :func:`~hybridkv.engine.kernels.resolve_backend`)
+        #: a registered backend's name (resolved: :func:`~hybridkv.engine.attention.registry.resolve_backend`)
         self.attention_backend = attention_backend
         #: pure-decode steps over static padded buffers (CUDA graphs on CUDA); None: every step eager
         self.decode_graphs = decode_graphs
-        if decode_graphs is not None and (attention_backend != "triton" or states is not None):
-            raise InvalidConfigError("decode graphs need the triton attention backend and a model without state layers")
+        if decode_graphs is not None and (not get_backend(attention_backend).decode_graphs or states is not None):
+            raise InvalidConfigError("decode graphs need an attention backend that supports them (triton) and a "
+                                     "model without state layers")
 
     @torch.inference_mode()
     def execute(

@@ -7,7 +7,7 @@ pools per layer (:class:`StateStorage`) addressed by *slot*. A step's :class:`St
 says, per sequence of the flat batch, which slot its state comes from (-1: the zero state of
 a fresh prefill) and in which slots to store the state after given numbers of its tokens
 (:class:`StateWrite`; the last one after all of them). The layer that reads them is
-:class:`~hybridkv.engine.models.gated_deltanet.GatedDeltaNet`, whose docstring has a worked
+:class:`~hybridkv.engine.layers.gated_deltanet.GatedDeltaNet`, whose docstring has a worked
 example.
 
 A model with several state groups (the engine's, see :mod:`hybridkv.engine.state_runner`)
@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from hybridkv.engine.host import long_tensor
+from hybridkv.engine.host_tensors import long_tensor
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 
 __all__ = ["StateShape", "StateStorage", "StateWrite", "StateMetadata", "StepStates"]

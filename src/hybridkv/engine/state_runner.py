@@ -25,7 +25,7 @@ the KV tensors are shared), and a pool has one slot per block id of the pool
 state inside a block's KV page would need a block-major KV layout (a page is one
 contiguous range there; ours is head-major); until then the engine allocates the
 pools beside the KV tensors while the pool's accounting stays in uniform pages
-(:mod:`hybridkv.engine.layout` counts both allocations).
+(:mod:`hybridkv.engine.kv_layout` counts both allocations).
 """
 
 from __future__ import annotations

@@ -8,58 +8,31 @@ two cannot disagree.
 A family is picked by the config's ``architectures`` entries, then its ``model_type``
 (top level, then ``text_config``). Each family reads the keys transformers 5.24's
 config class reads and, for a key that is absent, uses that class's default
-(:mod:`~hybridkv.planner.hf_defaults`):
+(:mod:`~hybridkv.planner.hf_defaults`). Each family's layer rule (which key wins,
+what an absent list means, a worked layout per family) is README.md's table
+"Layer layouts by model family" (under "Reference tables"); the rule itself is the
+family's function below (``_llama4``, ``_gemma3``, ...; state families in
+:mod:`~hybridkv.planner.state_families`).
 
-* **Llama 4** (iRoPE): ``no_rope_layers[i] == 1`` means layer i uses RoPE and is
-  chunked local attention over ``attention_chunk_size`` (8192) tokens; 0 means a
-  NoPE layer with full attention. An empty or absent list means every 4th layer
-  (``(i + 1) % no_rope_layer_interval == 0``) is NoPE; ``attention_chunk_size: null``
-  makes every layer full. ``layer_types`` ("chunked_attention" / "full_attention") wins
-  when present. Scout: 48 layers -> layers 3, 7, ..., 47 full (12), the other 36 chunked.
-* **Gemma 3**: ``layer_types`` ("sliding_attention" / "full_attention"), else layer i
-  is full when ``(i + 1) % sliding_window_pattern == 0`` (pattern 6), sliding otherwise.
-  27B: 62 layers -> layers 5, 11, ..., 59 full (10), 52 sliding over 1024 tokens.
-* **Mistral**: every layer slides over ``sliding_window`` (null: every layer full).
-  transformers' ``MistralModel`` builds one mask for all layers and ignores
-  ``layer_types`` (it only checks its names and length, as we do).
-* **Qwen2 / Qwen3**: sliding only when ``use_sliding_window`` is true, and then on
-  layers ``i >= max_window_layers`` (28); ``layer_types`` wins when present.
-* **GPT-OSS**: ``layer_types``, else alternating: even layers slide over
-  ``sliding_window`` (128), odd layers are full.
-* **Llama** and plain decoders: every layer full.
-* **Qwen3-Next / Qwen3.5** (dense and MoE, text or multimodal): ``layer_types``
-  ("linear_attention" / "full_attention"), else every ``full_attention_interval``-th
-  layer (4) is full and the others Gated DeltaNet. 80B-A3B: 48 layers -> 12 full, 36 linear.
-* **Nemotron-H**: ``layers_block_type`` (alias ``layer_types``, or the legacy
-  ``hybrid_override_pattern`` of M / * / E / -): linear_attention (Mamba-2),
-  full_attention, moe, mlp; its length is the layer count (``num_hidden_layers`` is
-  ignored, as transformers ignores it). MoE and MLP layers keep no cache.
-* **Granite 4 (GraniteMoeHybrid)**: ``layer_types`` (legacy "mamba" / "attention"),
-  else every layer Mamba-2.
-* **Falcon-H1**: every layer has attention *and* a Mamba-2 mixer ("hybrid"): one KV
-  cache and one state per layer.
+What a caller may rely on:
 
-State shapes and dtypes: :mod:`~hybridkv.planner.state_layers`. One rule for layer type
-names, read in :func:`~hybridkv.planner.layer_kinds.kinds_from_names` only (the table in
-:mod:`~hybridkv.planner.layer_kinds`): "full_attention" (legacy "attention") is full,
-"sliding_attention" slides over ``sliding_window``, "chunked_attention" is chunked over
-``attention_chunk_size``, "linear_attention" (legacy "mamba") keeps a state. A local
-layer whose size is null is an :class:`~hybridkv.errors.InvalidConfigError`:
-transformers builds that config but fails on its first forward (``create_sliding_window_causal_mask``
-/ ``create_chunked_causal_mask`` find no size), so no plan or engine should pretend to run it.
-The same holds for a derived layout (Gemma 3, GPT-OSS) with ``sliding_window: null``.
-
-Shared keys: ``num_hidden_layers`` is required; ``num_key_value_heads`` null means
-``num_attention_heads``; ``head_dim`` null (or absent in a family whose class has no
-default) means ``hidden_size // num_attention_heads``; the dtype is ``torch_dtype`` /
-``dtype`` (default bfloat16).
-
-When a model has state layers, one page must hold a state: the attention block size
-grows to the smallest multiple of 16 (and of the requested block size) whose KV page
-holds the largest state, and the state pages are padded to it
-(:func:`~hybridkv.core.state_spec.unify_page_sizes`, vLLM's rule). Qwen3-Next-80B-A3B,
-bf16, block 16: states of 1,097,728 bytes, 2,048 KV bytes a token -> block 544, page
-1,114,112 bytes, each state padded by 16,384 bytes (1.49%).
+* Layer type names are read in :func:`~hybridkv.planner.layer_kinds.kinds_from_names`
+  only (the table in :mod:`~hybridkv.planner.layer_kinds`).
+* A local layer whose size is null (a sliding or chunked layer without
+  ``sliding_window`` / ``attention_chunk_size``, named or derived) is an
+  :class:`~hybridkv.errors.InvalidConfigError`: transformers builds that config but
+  fails on its first forward, so no plan or engine pretends to run it.
+* ``num_hidden_layers`` is required (Nemotron-H ignores it, as transformers does: its
+  layer list's length is the count); ``num_key_value_heads`` null means ``num_attention_heads``; ``head_dim`` null (or
+  absent where the class has no default) means ``hidden_size // num_attention_heads``;
+  the dtype is ``torch_dtype`` / ``dtype`` (default bfloat16). State shapes and dtypes:
+  :mod:`~hybridkv.planner.state_layers`.
+* When a model has state layers, one page holds a state: the attention block size
+  grows to the smallest multiple of 16 (and of the requested block size) whose KV page
+  holds the largest state, and the state pages are padded to it
+  (:func:`~hybridkv.core.state_spec.unify_page_sizes`, vLLM's rule). Qwen3-Next-80B-A3B,
+  bf16, block 16: states of 1,097,728 bytes, 2,048 KV bytes a token -> block 544, page
+  1,114,112 bytes, each state padded by 16,384 bytes (1.49%).
 """
 
 from __future__ import annotations

@@ -6,27 +6,20 @@ group lives in tensor j, so a block id addresses page ``id`` of each tensor. For
 every group needs the same number of layer slots (``group_size``) and every layer the
 same page size. A type with ``n`` layers fills ``cdiv(n, group_size)`` groups; the slots
 it leaves empty are *padding*: when that group takes a block, the page of the block in
-an empty slot's tensor is allocated but unused.
+an empty slot's tensor is allocated but unused. Layers of one type are dealt round-robin
+(group i of k gets ``layers[i::k]``, as vLLM does), which spreads the padding.
 
-Layers of one type are dealt round-robin (group i of k gets ``layers[i::k]``, as vLLM
-does), which spreads the padding and keeps pipeline stages balanced.
-
-How the group size is chosen
-----------------------------
-The candidates run from the smallest type's layer count to the largest: below the
-smallest count, groups multiply with nothing to gain on an n:1 pattern (so the
-rarest type is always exactly one group). Among them we pick the size whose padding
-costs the fewest bytes for one request of ``max_model_len`` tokens: a padded slot
-costs ``spec.max_num_blocks(max_model_len, max_num_batched_tokens)`` pages (the specs'
-one per-request bound), so padding a full-attention group is expensive at long context
-and padding a sliding group is nearly free. Every layout holds the same real pages per
-request, so fewer padding pages means more requests per byte. Two sizes can still pad
-equally: 3 full + 7 sliding (window 1024) layers at max_model_len 512, block 16, pad 2
-slots of 32 pages with size 3 (4 groups) and with size 4 (3 groups). Then the smaller
-size wins, because the null block (block 0, never usable) costs ``group_size`` pages:
-3002 pages hold (1000 - 1) / 128 = 7.805 requests with size 3, (750 - 1) / 96 = 7.802
-with size 4. When the budget is known (``memory_bytes``) the choice is made on the
-exact capacity (whole blocks, the null block taken out), ties as above.
+The group size runs from the smallest type's layer count (so the rarest type is always
+exactly one group) to the largest; the size whose padding costs the fewest pages for
+one request of ``max_model_len`` tokens wins. A padded slot costs
+``spec.max_num_blocks(max_model_len, max_num_batched_tokens)`` pages, so padding a
+full-attention group is expensive at long context and padding a sliding group nearly
+free. On a tie the smaller size wins, as the null block costs ``group_size`` pages
+(3 full + 7 sliding layers, window 1024, max_model_len 512, block 16: sizes 3 and 4
+both pad 2 slots of 32 pages; 3002 pages hold (1000 - 1) / 128 = 7.805 requests at
+size 3, (750 - 1) / 96 = 7.802 at size 4). With a known budget (``memory_bytes``) the
+choice is made on the exact capacity (whole blocks, the null block taken out), ties
+broken the same way.
 
 Worked example: Gemma 3 27B, 52 sliding (window 1024) + 10 full layers, block 16,
 max_model_len 1_048_576, budget 2048. Page = 2 * 16 tokens * 16 heads * 128 * 2 bytes

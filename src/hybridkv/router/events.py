@@ -5,19 +5,13 @@ replica's publisher (``hybridkv serve --kv-events`` or vLLM: the wire format of
 :mod:`hybridkv.protocol.kv_events`) and, when the replica has one, a DEALER on its
 replay endpoint. It hands each batch's wire events to ``on_batch(events)``, strictly
 in sequence order and each batch once, and calls ``on_reset(reason)`` whenever what
-it will deliver next no longer continues what it delivered before:
-
-* ``"gap"``: batches went missing (dropped by the network, the SUB's queue, or a
-  publisher whose own queue was full) and the replay no longer holds them, timed
-  out, or there is no replay endpoint. Delivery resumes with the first batch after
-  the hole.
-* ``"restart"``: the replica restarted (a new publisher counts from 0 again). Seen
-  as a live sequence number going backwards, or as a replay that no longer holds the
-  last batch delivered (checked on every replay request: the request starts one
-  batch early and compares it, byte for byte, with what was delivered). The new
-  stream is then caught up from its replay, from 0.
-* ``"resync"``: the caller asked for it (:meth:`ReplicaEvents.resync`, e.g. after
-  dropping the index of a replica marked down); delivery restarts from the replay, from 0.
+it will deliver next no longer continues what it delivered before: ``"gap"``
+(batches went missing and the replay cannot give them back), ``"restart"`` (the
+replica's publisher counts from 0 again; the new stream is caught up from its
+replay) or ``"resync"`` (the caller asked, :meth:`ReplicaEvents.resync`; delivery
+restarts from the replay). When each is raised, and how slow joiners, duplicates,
+idle replicas and SUB reconnects are handled: README.md, "Reference tables",
+"Replica event streams".
 
 **The guarantee**: between two resets, the callbacks see a contiguous run of the
 replica's batches, the newest ones included. An index that starts empty at each
@@ -28,27 +22,9 @@ missed can make it miss a block, never claim one that is gone. That is why a par
 history is fine. A router started after its replicas asks each replay for everything
 from 0 at once; if the buffer dropped the oldest batches, it indexes the blocks
 stored since (blocks whose parents came earlier stay unknown to the index), and
-nothing stale. The same holds after a gap reset.
-
-**Slow joiners and duplicates**: a SUB sees only what is published after its
-subscription reached the publisher, so the first live batch may be any number; a
-hole before the first batch after a reset is not a gap (nothing was delivered yet).
-Batches that came from the replay and then arrive live are recognised (same
-sequence number, same bytes) and dropped.
-
-**Idle probe**: when nothing arrived for ``idle_replay`` seconds, the thread asks the
-replay for anything newer than the last batch delivered: a lost *last* batch has no
-successor to reveal its gap, and an idle replica that restarted has no new batch to
-go backwards. Every answer, even an empty one, sets ``last_message_time``, so with a
-replay endpoint an idle but alive replica never looks silent.
-
-After the SUB reconnects (seen on a socket monitor), live batches are checked against
-the replay until one matches it, even when their number is the expected one: a
-restarted replica whose new stream reached the old stream's next number before the SUB
-reconnected is still caught, and batches of the dead stream still queued are dropped.
-Without a replay endpoint neither can be told (nor a new stream that went past the old
-one's last number from a gap). A replay whose buffer moved past the last batch
-delivered cannot confirm it: assumed the same stream, except after a reconnect (reset).
+nothing stale. The same holds after a gap reset. With a replay endpoint every
+answer, even an empty one, sets ``last_message_time``, so an idle but alive replica
+never looks silent.
 
 Usage (callbacks run in the events thread: guard shared state with a lock)::
 

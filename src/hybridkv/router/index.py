@@ -2,19 +2,18 @@
 
 A :class:`ReplicaIndex` is fed each batch of a replica's wire events
 (:mod:`hybridkv.protocol.kv_events`: ours, or vLLM's) and keeps, per KV cache group, which
-blocks are resident. Blocks are keyed by OUR chained hash (:mod:`hybridkv.core.hashing`),
-recomputed from the token ids each BlockStored carries, so a replica whose engine hashes
-differently (vLLM's sha256_cbor, its 64-bit int hashes) indexes all the same: the
-replica's hash of a block is mapped to ours, and a BlockStored's ``parent_block_hash`` is
-looked up in that map to chain the next block (a prompt's first block chains from our
-seed). The map outlives residency (bounded: the last ``chain_capacity`` replica hashes
-seen, plus every resident one), so a run stored after its parent was evicted still chains.
+blocks are resident, keyed by OUR chained hash (:mod:`hybridkv.core.hashing`) recomputed
+from the token ids each BlockStored carries: a replica that hashes differently (vLLM's
+sha256_cbor, its 64-bit int hashes) indexes all the same. The replica's hash of a block
+maps to ours, and a BlockStored's ``parent_block_hash`` is looked up there to chain the
+next block (a prompt's first block chains from our seed). The map outlives residency (the
+last ``chain_capacity`` replica hashes seen, plus every resident one), so a run stored
+after its parent was evicted still chains.
 
 Scoring runs the core's own hit rules: one manager per group, built with
 :meth:`~hybridkv.core.managers.AttentionManager.detached` over the group's resident
 hashes, and the coordinator's fixed point (:func:`~hybridkv.core.coordinator.fixed_point_hit`):
-the longest prefix valid for every group (full: every block from the left; sliding W: the
-blocks of the W - 1 tokens before the hit's end; chunked C: the current chunk's blocks).
+the longest prefix valid for every group (per attention type: README.md, "Semantics").
 
 Example (block 4, a replica of 1 full + 1 sliding-window 8 group)::
 
@@ -24,20 +23,19 @@ Example (block 4, a replica of 1 full + 1 sliding-window 8 group)::
     # then its sliding group evicted blocks 0-1 (out of the window): still 16, the
     # window of token 16 needs tokens 9-15 (blocks 2-3) only; evicting block 2 -> 8 (or less)
 
-Groups are learned from BlockStored events (index, kind, window / chunk, block size). A
+Groups are learned from BlockStored events (index, kind, window / chunk, block size); a
 group whose metadata changes (the replica restarted with another config) clears the
 index first. State groups (``mamba``: linear attention, SSM) are scored by the core's
-state rule: a hit needs a checkpoint cached at exactly its length. Kinds the rules do
-not cover (a chunked group without its chunk size, as vLLM 0.33 sends) are counted as
-bad events, their blocks still chained but never scored. AllBlocksCleared drops every block but keeps the learned groups;
-:meth:`ReplicaIndex.clear` forgets the groups too. Nothing here raises on bad input:
-``num_bad_events`` counts what was skipped (unknown parent chain, BlockRemoved of a
-block never stored, inconsistent metadata, malformed tokens). Not thread-safe: the
-caller serialises :meth:`~ReplicaIndex.apply` and :meth:`~ReplicaIndex.score`.
+state rule: a hit needs a checkpoint cached at exactly its length. AllBlocksCleared
+drops every block but keeps the groups; :meth:`ReplicaIndex.clear` forgets them too.
+Blocks stored with a LoRA name or extra keys get those mixed into our hash, so they never
+match a plain prompt. EAGLE replicas recompute one more block than the score counts.
 
-Blocks stored with a LoRA name or extra keys (vLLM sends them) get those mixed into our
-hash, so they never match a plain prompt. EAGLE replicas recompute one more block than
-the score counts.
+Nothing here raises on bad input: ``num_bad_events`` counts what was skipped (unknown
+parent chain, BlockRemoved of a block never stored, inconsistent metadata, malformed
+tokens, a kind the rules do not cover, e.g. a chunked group without its chunk size as
+vLLM 0.33 sends: its blocks are chained, never scored). Not thread-safe: the caller
+serialises :meth:`~ReplicaIndex.apply` and :meth:`~ReplicaIndex.score`.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@
 
     app = create_app(AsyncLLM(LLM("gemma-3-270m")), ServerConfig(model_name="gemma-3-270m"))
 
-Modules: :mod:`.config` (``ServerConfig``), :mod:`.async_llm` (the engine thread and
-per-request queues), :mod:`.protocol` (request models), :mod:`.serving` (OpenAI's
+Modules: :mod:`.config` (``ServerConfig``), :mod:`.async_llm` (the engine thread),
+:mod:`.submission` (a request's queue on the event loop), :mod:`.live_requests` (a request on
+the engine thread), :mod:`.protocol` (request models), :mod:`.serving` (OpenAI's
 endpoints, no web framework), :mod:`.errors` (error → HTTP table), :mod:`.metrics`
 (Prometheus), :mod:`.kv_events` (ZMQ KV events in vLLM's wire format), :mod:`.app`
 (FastAPI). Importing this package imports neither FastAPI nor torch; ``create_app``

@@ -8,29 +8,27 @@
     await front.shutdown()                          # every block of the pool free again
 
 The engine thread owns the engine: nothing else touches it. The event loop talks to it
-only through commands (add, abort, abort all, stop) in an inbox the thread drains before
-every step, and it answers through ``loop.call_soon_threadsafe``: once per step, one
-call carries every request's :class:`Chunk` to its submission's ``asyncio.Queue``. The
-thread steps while any request is unfinished and sleeps on an event otherwise. Model
-compute runs outside the event loop, so streaming and new connections stay responsive.
+only through commands (add, abort, abort all, peek, stop) in an inbox the thread drains
+before every step; it answers through ``loop.call_soon_threadsafe``: once per step, one
+call carries every request's :class:`~hybridkv.server.submission.Chunk` to its
+submission's queue. The thread steps while any request is unfinished and sleeps on an
+event otherwise. Model compute runs outside the event loop, so streaming stays responsive.
 
-A submission is one HTTP request: one or more prompts that share a queue (chunks carry
-the prompt's index); ``n`` samples of a prompt are ``n`` of them in a row (its prompt is
-computed once: see :meth:`~hybridkv.sampling_params.SamplingParams.samples`). Its prompts are added to the engine together or not at all: a bad
-one (too long, a pool that can never hold it) fails the whole submission with the
-engine's typed error, before any chunk. :meth:`Submission.close` (a client that went
-away) aborts whatever of it still runs: the engine frees its blocks before its next step.
+A submission (:mod:`hybridkv.server.submission`: its chunks, its ``close``) is one HTTP
+request. Its prompts are added to the engine together or not at all: a bad one (too
+long, a pool that can never hold it) fails the whole submission with the engine's typed
+error, before any chunk. Closing it (a client that went away) aborts whatever of it still
+runs: the engine frees its blocks before its next step.
 
 Admission is bounded: a submission that would make more than ``max_waiting`` requests
 wait (queued in the scheduler, or submitted but not yet taken in by the thread) gets
 :class:`~hybridkv.errors.ServiceUnavailableError`, as does every submission after
 :meth:`AsyncLLM.close_admission` (SIGTERM).
 
-Text comes from the request's :class:`~hybridkv.engine.llm.TextStream` (incremental
-detokenizer, stop strings) in the engine thread; a stop string aborts the request at
-once, as :meth:`LLM.stream` does. With ``logprobs`` the chunk carries, per new token,
-its log-probability under the model's raw distribution (before temperature, vLLM's
-default) and the ``logprobs`` most likely alternatives.
+Per request the thread keeps a :class:`~hybridkv.server.live_requests.LiveRequest` (text,
+logprobs, token times); a stop string aborts the request at once, as :meth:`LLM.stream`
+does. A failure outside the model run fails every running request (their streams end
+with ``error``); a failure making one request's output ends that request only.
 """
 
 from __future__ import annotations
@@ -40,86 +38,17 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
-from hybridkv.engine.llm import LLM, CompletionOutput, TextStream
+from hybridkv.engine.llm import LLM, TextStream
 from hybridkv.errors import EngineFailedError, HybridKVError, InvalidArgumentError, ServiceUnavailableError
-from hybridkv.protocol.openai import wire_finish_reason
 from hybridkv.sampling_params import SamplingParams
+from hybridkv.server.live_requests import LiveRequest, report_finished, token_logprobs
+from hybridkv.server.submission import Chunk, Submission, deliver, settle
 
-__all__ = ["AsyncLLM", "Chunk", "Submission", "TokenLogprob"]
+__all__ = ["AsyncLLM"]
 
 log = logging.getLogger("hybridkv.server")
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """One sampled token's log-probability and the top alternatives ``(token_id, logprob)``."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """What one prompt of a submission produced in one step. ``final`` is set in its last
-    chunk; ``error`` (an engine failure) ends it with no ``final``."""
-
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] | None = None
-    final: CompletionOutput | None = None
-    error: BaseException | None = None
-    #: the prompt's scores (``SamplingParams.prompt_logprobs``), in the prompt's first chunk
-    prompt_logprobs: tuple | None = None
-
-
-class Submission:
-    """The prompts of one HTTP request in the engine; iterate it for their chunks."""
-
-    def __init__(self, front: "AsyncLLM", num_prompts: int) -> None:
-        self._front = front
-        self.queue: asyncio.Queue[Chunk] = asyncio.Queue()
-        self.request_ids: list[str] = []  # set by the engine thread when it adds them
-        self.num_prompts = num_prompts
-        self.num_finished = 0
-        self.closed = False
-
-    @property
-    def done(self) -> bool:
-        return self.num_finished == self.num_prompts
-
-    def __aiter__(self) -> "Submission":
-        return self
-
-    async def __anext__(self) -> Chunk:
-        if self.done:
-            raise StopAsyncIteration
-        chunk = await self.queue.get()
-        if chunk.final is not None or chunk.error is not None:
-            self.num_finished += 1
-        return chunk
-
-    def close(self) -> None:
-        """Abort what still runs (the client left, or the handler ended early). Idempotent."""
-        if not self.closed:
-            self.closed = True
-            if not self.done:
-                self._front._command(("abort", self))
-
-
-class _Live:
-    """The engine thread's record of one running request."""
-
-    __slots__ = ("sub", "index", "text", "num_logprobs", "token_times")
-
-    def __init__(self, sub: Submission, index: int, text: TextStream, num_logprobs: int | None) -> None:
-        self.sub, self.index, self.text = sub, index, text
-        self.num_logprobs = num_logprobs
-        self.token_times: list[float] = []
 
 
 class AsyncLLM:
@@ -146,7 +75,7 @@ class AsyncLLM:
         self._lock = threading.Lock()  # guards the counters below
         self._pending = 0  # prompts submitted, not yet taken in by the thread
         self._waiting = 0  # the scheduler's waiting queue after the last step
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._accepting = True
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -234,7 +163,7 @@ class AsyncLLM:
                     retry_after=self.retry_after,
                 )
             self._pending += len(prompts)
-        sub = Submission(self, len(prompts))
+        sub = Submission(self._abort_submission, len(prompts))
         added: asyncio.Future = asyncio.get_running_loop().create_future()
         self._command(("add", sub, [list(p) for p in prompts], list(params), logprobs, request_id, added))
         try:
@@ -256,14 +185,18 @@ class AsyncLLM:
         self._inbox.append(cmd)
         self._wake.set()
 
+    def _abort_submission(self, sub: Submission) -> None:
+        """What :meth:`Submission.close` calls (on the event loop): abort its requests."""
+        self._command(("abort", sub))
+
     def _send(self, items: list[tuple[Submission, Chunk]]) -> None:
         """Hand chunks to their queues on the event loop (one call for the whole step)."""
         if items and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(_deliver, items)
+            self._loop.call_soon_threadsafe(deliver, items)
 
     def _resolve(self, fut: asyncio.Future, error: BaseException | None, value: Any = None) -> None:
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(_settle, fut, error, value)
+            self._loop.call_soon_threadsafe(settle, fut, error, value)
 
     def _run(self) -> None:
         while True:
@@ -320,7 +253,7 @@ class AsyncLLM:
                 rid = f"req-{self._ids}" if base is None else f"{base}-{index}"
                 engine.add_request(ids, sp, request_id=rid)
                 added.append(rid)
-                self._live[rid] = _Live(sub, index, TextStream(index, rid, ids, llm.tokenizer, sp), logprobs)
+                self._live[rid] = LiveRequest(sub, index, TextStream(index, rid, ids, llm.tokenizer, sp), logprobs)
         except HybridKVError as exc:
             error = exc
         except Exception as exc:  # pragma: no cover - a bug; reported as a 500
@@ -349,7 +282,7 @@ class AsyncLLM:
             live = self._live.pop(rid)
             text, _ = live.text.feed((), True)
             items.append((live.sub, Chunk(live.index, text, (), None, self.llm.finish(live.text, out, False))))
-            self._finished(live, out)
+            report_finished(self.metrics, live, out)
         self._send(items)
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -379,28 +312,29 @@ class AsyncLLM:
                 items.append((live.sub, chunk))
         self._send(items)
 
-    def _chunk(self, d, live: _Live, now: float) -> Chunk | None:
+    def _chunk(self, d, live: LiveRequest, now: float) -> Chunk | None:
         """The chunk of one request's delta (None: nothing to send); ends it when it finished."""
         out = d.output
         if out is not None and out.finish_reason == "error":  # the engine found the model failing on it
             del self._live[d.request_id]
-            self._finished(live, out)
+            report_finished(self.metrics, live, out)
             return Chunk(live.index, "", (), error=EngineFailedError(out.error or "the model failed"))
         live.token_times.extend([now] * len(d.new_token_ids))
         text, stopped = live.text.feed(d.new_token_ids, d.finished)
-        lps = self._logprobs(d.request_id, d.new_token_ids, live.num_logprobs) if live.num_logprobs is not None else None
+        k = live.num_logprobs
+        lps = None if k is None else token_logprobs(self.engine, d.request_id, d.new_token_ids, k)
         if stopped and out is None:  # a stop string: end it now, its blocks back before the next step
             out = self.engine.abort_request(d.request_id)
         final = None
         if out is not None:
             del self._live[d.request_id]
             final = self.llm.finish(live.text, out, stopped)
-            self._finished(live, out, final.finish_reason)
+            report_finished(self.metrics, live, out, final.finish_reason)
         if final is not None or text or d.new_token_ids:
             return Chunk(live.index, text, d.new_token_ids, lps, final, prompt_logprobs=d.prompt_logprobs)
         return None
 
-    def _fail_one(self, rid: str, live: _Live, exc: BaseException) -> Chunk:
+    def _fail_one(self, rid: str, live: LiveRequest, exc: BaseException) -> Chunk:
         """End one request after its output failed: aborted in the engine if it still runs."""
         self._live.pop(rid, None)
         if rid in self.engine.scheduler.sequences:
@@ -409,44 +343,6 @@ class AsyncLLM:
             except Exception:  # pragma: no cover - the engine is already broken
                 log.exception("aborting %s failed", rid)
         return Chunk(live.index, "", (), error=exc)
-
-    def _logprobs(self, rid: str, new: tuple[int, ...], k: int) -> tuple[TokenLogprob, ...] | None:
-        import torch
-
-        logits = self.engine.last_logits.get(rid)
-        if logits is None or not new:
-            return None
-        lp = torch.log_softmax(logits.float(), dim=-1)  # [vocab]
-        top: tuple[tuple[int, float], ...] = ()
-        if k:
-            values, ids = torch.topk(lp, min(k, lp.shape[0]))
-            top = tuple(zip(ids.tolist(), values.tolist()))
-        # one sampled token per request per step: the last logits are the last token's
-        return tuple(TokenLogprob(t, float(lp[t]), top) for t in new[-1:])
-
-    def _finished(self, live: _Live, out, reason: str | None = None) -> None:
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s %s: %d prompt tokens; prefix hit %d when queued, %d at admission, %d at the "
-                      "last admission (%d preemptions); %d output tokens", out.request_id, reason or out.finish_reason,
-                      len(out.prompt_token_ids), out.arrival_hit_tokens, out.num_cached_tokens, out.last_hit_tokens,
-                      out.num_preemptions, len(out.output_token_ids))
-        if self.metrics is None:
-            return
-        from hybridkv.server.metrics import FinishedRecord
-
-        finish = reason or out.finish_reason
-        self.metrics.on_request_finished(
-            FinishedRecord(
-                arrival_time=out.arrival_time,
-                first_token_time=out.first_token_time,
-                token_times=tuple(live.token_times),
-                finished_time=out.finished_time,
-                num_prompt_tokens=len(out.prompt_token_ids),
-                num_output_tokens=len(out.output_token_ids),
-                num_cached_tokens=out.num_cached_tokens,
-                finish_reason=wire_finish_reason(finish),
-            )
-        )
 
     def _publish_events(self) -> None:
         """The KV events recorded since the last call, published (a step's are all known once
@@ -467,16 +363,3 @@ class AsyncLLM:
             except Exception:  # pragma: no cover - never let telemetry stop the engine
                 log.exception("updating metrics failed")
 
-
-def _deliver(items: list[tuple[Submission, Chunk]]) -> None:
-    for sub, chunk in items:
-        if not sub.closed:
-            sub.queue.put_nowait(chunk)
-
-
-def _settle(fut: asyncio.Future, error: BaseException | None, value: Any = None) -> None:
-    if not fut.done():
-        if error is None:
-            fut.set_result(value)
-        else:
-            fut.set_exception(error)

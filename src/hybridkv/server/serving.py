@@ -48,7 +48,8 @@ from hybridkv.protocol.openai import (
     unsupported,
 )
 from hybridkv.sampling_params import MAX_LOGPROBS, SamplingParams, check_context
-from hybridkv.server.async_llm import AsyncLLM, Chunk, Submission, TokenLogprob
+from hybridkv.server.async_llm import AsyncLLM
+from hybridkv.server.submission import Chunk, Submission, TokenLogprob
 from hybridkv.server.config import ServerConfig
 from hybridkv.server.logprobs import LogprobFormat
 from hybridkv.server.responses import Echo, prompt_scoring, stop_reason, usage, wire_reason

@@ -27,7 +27,7 @@ def hit_len(cached, max_length, chunk=2, bs=1):
 @pytest.mark.parametrize(
     "cached, expected",
     [
-        # the issue's examples: block_size 1, C 2, a 6-token prompt -> max_length 5
+        # block_size 1, C 2, a 6-token prompt -> max_length 5
         ([0, 0, 0, 0, 0, 0], 4),  # [miss miss][miss miss][miss miss]
         ([0, 0, 1, 0, 0, 0], 4),  # [miss miss][hit miss][miss miss]: block 2 is never looked at
         ([0, 0, 0, 0, 1, 0], 5),  # [miss miss][miss miss][hit miss]
@@ -35,7 +35,7 @@ def hit_len(cached, max_length, chunk=2, bs=1):
         ([1, 1, 1, 1, 0, 1], 4),
     ],
 )
-def test_issue_examples_block1_chunk2(cached, expected):
+def test_hit_of_a_6_token_prompt_block1_chunk2(cached, expected):
     blocks, n = hit_len([bool(c) for c in cached], 5)
     assert n == expected
     assert ids(blocks[:4]) == [0, 0, 0, 0]  # chunks before token 5's chunk are null

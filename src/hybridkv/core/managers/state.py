@@ -4,35 +4,30 @@ A request's table in a state group is indexed by block position like an attentio
 table, but position ``i`` stands for the state *after* its first ``(i + 1) * B`` tokens
 (a checkpoint), not for KV of those tokens. The next token needs only the latest state,
 so a request holds at most two real blocks: the one it continues from and the one the
-step writes (a decode inside one block position updates that block in place). Every
-other position is the null block.
+step writes (a decode inside one block position updates it in place); every other
+position is the null block.
 
 Allocation (``n`` tokens computed, a step up to ``m`` tokens): positions up to
-``cdiv(m, B) - 1`` exist, the last one real (new when the table was shorter), the
-ones between null. The engine copies the state from the block of position
-``cdiv(n, B) - 1`` (none when ``n == 0``) into the last block and runs the step there.
-Skipping: the state after ``n`` tokens is in position ``cdiv(n, B) - 1``, so every
-block before it is dead: ``num_skipped_tokens(n) = n - 1``.
+``cdiv(m, B) - 1`` exist, the last one real (new when the table was shorter), the ones
+between null; the engine copies the state of position ``cdiv(n, B) - 1`` (none when
+``n == 0``) into the last block and runs the step there. Skipping: every block before
+position ``cdiv(n, B) - 1`` is dead: ``num_skipped_tokens(n) = n - 1``.
 
 Caching: a block holds a checkpoint only when a step ends exactly on its boundary
-(``m = (i + 1) * B``), so only then is it cached, and only at positions the
-*retention interval* keeps (vLLM's ``prefix_cache_retention_interval``):
-
-* ``None``: every checkpoint (dense);
-* ``0`` (the default, vLLM's): only the prompt's last one, at ``(P - 1) // B * B`` (the
-  scheduler splits a prefill there: :func:`aligned_num_new_tokens`), and the request's
-  *junction* (``Request.shared_prefix_boundary``: where its hit found full attention
-  going further than a state checkpoint, e.g. the end of a shared system prompt);
-* ``k`` (a multiple of ``B``): every ``k`` tokens, and the prompt's last one and the junction.
+(``m = (i + 1) * B``), so only then is it cached, and only at positions the *retention
+interval* keeps (vLLM's ``prefix_cache_retention_interval``): ``None`` every checkpoint;
+``0`` (the default, vLLM's) the prompt's last one, at ``(P - 1) // B * B`` (the scheduler
+splits a prefill there: :func:`aligned_num_new_tokens`); ``k`` (a multiple of ``B``)
+every ``k`` tokens and the prompt's last one. ``0`` and ``k`` also keep the request's
+*junction* (``Request.shared_prefix_boundary``: where its hit found full attention going
+further than a state checkpoint, e.g. the end of a shared system prompt).
 
 Hits are *not downward closed*: a state can be restored only at a position whose
-checkpoint is cached, whatever is cached before it. The search goes right to left
-and returns ``[null] * i + [block]`` (hit ``(i + 1) * B``); the coordinator's fixed
-point (:func:`~hybridkv.core.coordinator.fixed_point_hit`) asks it again at each
-shorter length.
+checkpoint is cached, whatever is cached before it. The search goes right to left and
+returns ``[null] * i + [block]`` (hit ``(i + 1) * B``); the coordinator's fixed point
+(:func:`~hybridkv.core.coordinator.fixed_point_hit`) asks again at each shorter length.
 
-Worked example (block 4, dense, a 14-token prompt in chunks 8, 4 and 2, then decodes;
-ids are pool blocks, 0 null)::
+Worked example (block 4, dense, a 14-token prompt in chunks 8, 4, 2, then decodes; 0 null)::
 
     step (n -> m)   table           cached
     0 -> 8          [0, 3]          3 (state after 8)

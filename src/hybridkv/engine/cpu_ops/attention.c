@@ -1,4 +1,4 @@
-/* Paged decode attention of one query per sequence (see cpu_ops/__init__.py: decode_attention):
+/* Paged decode attention of one query per sequence (see cpu_ops/bindings.py: decode_attention):
  * each sequence's new K/V written to its slot, then its query heads attend to first[s] .. pos[s]
  * read straight through the block table (no gathered copy, no padding, no mask), GQA by h / rep.
  * Single-threaded; gcc vectorizes the loops (#pragma omp simd). */

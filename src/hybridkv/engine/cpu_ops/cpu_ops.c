@@ -1,4 +1,4 @@
-/* The Python module of the fused CPU kernels (see cpu_ops/__init__.py): each function takes
+/* The Python module of the fused CPU kernels (see cpu_ops/bindings.py): each function takes
  * tensors' data_ptr() values and strides (in elements) from the Python wrappers, which check
  * dtypes and shapes and keep the tensors alive for the call. The kernels themselves are in
  * rowops.c, attention.c, qmatmul.c and decode_stack.c. */

@@ -1,5 +1,5 @@
-/* A decode step's decoder layers in one call (see hybridkv/engine/models/fused_decode.py, which
- * builds the plan). Per layer, on S rows of the residual stream h [S, hidden] (updated in place):
+/* A decode step's decoder layers in one call (the fused decode step's Python side builds the
+ * plan). Per layer, on S rows of the residual stream h [S, hidden] (updated in place):
  *
  *   a   = rms(h) * ln1                                  input norm
  *   qkv = a @ Wqkv^T                                    [S, (Hq + 2 Hkv) D], quantized weight

@@ -3,7 +3,7 @@
  * pool_run(fn, ctx, P) calls fn(ctx, p, P) for p = 0 .. P-1 (part p on thread p % (workers + 1),
  * the calling thread being 0) and returns when all are done. Workers are started on first use
  * (pool_set_threads: how many threads a job may use, the caller included); after a job they
- * spin for a while (a decode step calls one matmul after another, a few microseconds apart),
+ * spin for a while (a decode step calls one matmul right after another),
  * then sleep on a condition variable until the next. One job runs at a time: a second caller
  * waits for the first. A forked child starts with no workers (pthread_atfork).
  *
@@ -19,7 +19,7 @@
 #include <stdatomic.h>
 
 #define MAX_WORKERS 63
-#define SPIN 20000 /* polls before a worker sleeps (~0.1-1 ms) */
+#define SPIN 20000 /* polls before a worker sleeps */
 #define YIELD_EVERY 8
 
 #if defined(__x86_64__) || defined(__i386__)

@@ -3,9 +3,8 @@
  * int8 code is exact in bf16; an int4 weight, code * s + lo, is rounded to it), then every
  * 4 rows of x are multiplied by it with bf16 dot products accumulated in fp32 (AVX512-BF16's
  * vdpbf16ps: 32 products a instruction, twice an fp32 FMA's). Decoding once per tile, not
- * per row of x, is what makes 32 rows at a time (32 sequences' decode) cheap: the decode
- * costs as much as the products of 2-4 rows. Without AVX512-BF16, plain loops over the same
- * rounded values.
+ * per row of x, is what makes 32 rows at a time (32 sequences' decode) cheap: the decode is
+ * paid once for all of them. Without AVX512-BF16, plain loops over the same rounded values.
  *
  * Worked example (int8): a weight row [3, -2] with scale 0.5 and x = [1.00390625, 1] (bf16
  * rounds 1.00390625 to 1): y = 0.5 * (3 * 1 + -2 * 1) = 0.5. */

@@ -1,4 +1,4 @@
-/* Row kernels of the decode path (see cpu_ops/__init__.py): RMSNorm, rotate-half RoPE and the
+/* Row kernels of the decode path (see cpu_ops/bindings.py): RMSNorm, rotate-half RoPE and the
  * gated MLP's activation. Single-threaded; the loops are written so that gcc -O3 vectorizes
  * them (#pragma omp simd, -fopenmp-simd: no OpenMP runtime is linked). */
 #include "cpu_ops.h"

@@ -25,7 +25,7 @@ from hybridkv.engine.models.mistral import MistralForCausalLM
 from hybridkv.engine.models.qwen2 import Qwen2ForCausalLM
 from hybridkv.engine.models.qwen3 import Qwen3ForCausalLM
 from hybridkv.engine.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
-from hybridkv.engine.models.quantize import check_quantization
+from hybridkv.engine.layers.quantized_linear import check_quantization
 from hybridkv.errors import UnknownArchitectureError
 
 __all__ = [

@@ -4,10 +4,10 @@ A model is an ``nn.Module`` whose parameter names are the HF checkpoint names
 (``model.layers.3.self_attn.q_proj.weight``), so weights load by name. ``forward``
 runs a flat varlen batch (``T`` tokens of several sequences) through the decoder,
 each attention layer writing / reading the paged KV storage named by the
-:class:`~hybridkv.engine.attention.AttentionMetadata`.
+:class:`~hybridkv.engine.attention.reference.AttentionMetadata`.
 
 Every family's decoder layer is a
-:class:`~hybridkv.engine.models.decoder.DecoderLayer` (its own module), run here in order.
+:class:`~hybridkv.engine.layers.decoder.DecoderLayer` (its own module), run here in order.
 
 The config a model runs with and each layer's attention kind come from the planner
 (:func:`~hybridkv.planner.architectures.language_model_config`,
@@ -27,12 +27,14 @@ from hybridkv.checkpoint.config import as_model_source, read_model_config
 from hybridkv.checkpoint.installed import ModelSource
 from hybridkv.core.specs import KVCacheSpec
 from hybridkv.engine import cpu_ops
-from hybridkv.engine.attention import AttentionMetadata, AttentionType
+from hybridkv.engine.layers.custom_op import CustomOp
+from hybridkv.engine.attention.metadata import AttentionMetadata
+from hybridkv.engine.attention.types import AttentionType
 from hybridkv.engine.kv_storage import torch_dtype
-from hybridkv.engine.models.decoder import require
-from hybridkv.engine.models.linear import Linear, PackedWeight
-from hybridkv.engine.models.rope import RotaryEmbedding
-from hybridkv.engine.models.weights import (
+from hybridkv.engine.layers.decoder import require
+from hybridkv.engine.layers.linear import Linear, PackedWeight
+from hybridkv.engine.layers.rope import RotaryEmbedding
+from hybridkv.engine.loading.weights import (
     checkpoint_tensors,
     eos_token_ids,
     language_model_weight_name,
@@ -153,10 +155,10 @@ class CausalLM(nn.Module):
         """Build, load the weights of ``source`` (a model directory, a .gguf file, an installed
         model's name), fuse q/k/v and gate/up; ``prepack``: see :meth:`prepack_weights`;
         ``quantization``: :meth:`quantize_weights` (then no prepacking). A GGUF model in another
-        form than fp32 comes from, or goes to, the final-form cache (:mod:`~hybridkv.engine.models.final_cache`).
+        form than fp32 comes from, or goes to, the final-form cache (:mod:`~hybridkv.engine.loading.final_weights`).
 
         A multimodal checkpoint (``text_config`` in ``config``) loads its language model only:
-        see :func:`~hybridkv.engine.models.weights.language_model_weight_name`.
+        see :func:`~hybridkv.engine.loading.weights.language_model_weight_name`.
         """
         source = as_model_source(source)
         label = source.config_label
@@ -175,17 +177,17 @@ class CausalLM(nn.Module):
         if cls.ignored_weights:
             rename = _ignoring(cls.ignored_weights, rename)
         skip = (lambda name: rename(name) is None) if rename is not None else None
-        from hybridkv.engine.models import final_cache
+        from hybridkv.engine.loading import final_weights
 
-        final = final_cache.final_cache_for(source, model.model.embed_tokens.weight.dtype, quantization)
-        if final is None or not final.exists() or not final_cache.load_final(model, final, quantization):
+        final = final_weights.final_cache_for(source, model.model.embed_tokens.weight.dtype, quantization)
+        if final is None or not final.exists() or not final_weights.load_final(model, final, quantization):
             tensors = checkpoint_tensors(source, config, skip=skip, use_cache=final is None)
             load_weights(model, tensors, label=str(source.path), tied=tied, rename=rename)
             model.fuse_weights()
             if quantization is not None:
                 model.quantize_weights(quantization)
             if final is not None:
-                final_cache.save_final(model, final)
+                final_weights.save_final(model, final)
         if quantization is None:
             model.prepack_weights(prepack)
         elif torch.device(device).type == "cpu":
@@ -212,16 +214,16 @@ class CausalLM(nn.Module):
     def prepack_weights(self, enable: bool = True) -> None:
         """Give every linear prepacked copies of its weight (CPU fp32 only; else a no-op).
 
-        See :mod:`hybridkv.engine.models.linear`: faster matmuls (a transposed copy for
+        See :mod:`hybridkv.engine.layers.linear`: faster matmuls (a transposed copy for
         decode-sized inputs, a oneDNN one for prefill) for two more copies of the linear
         weights in memory. ``enable=False`` drops the copies (plain ``F.linear``). Call
         it again after changing the weights.
 
         A tied output projection gets no copy: the one ``[vocab, hidden]`` matrix it shares
         with the embedding is re-laid out once as ``[hidden, vocab]`` (the embedding looks up
-        its rows as a strided view), which is the transposed copy's layout. Gemma 3 270M
-        keeps 671 MB instead of three times that; its 640 x 262,144 projection runs as fast
-        as on a copy (one token: 15 ms against 41 ms for ``F.linear`` on the row-major matrix).
+        its rows as a strided view), which is the transposed copy's layout: a large vocabulary's
+        matrix is held once instead of three times, and the projection runs on it as fast as on
+        a copy (faster than ``F.linear`` on the row-major matrix).
         """
         head = self.lm_head
         tied = self.tie_word_embeddings and head.weight is self.model.embed_tokens.weight
@@ -245,8 +247,8 @@ class CausalLM(nn.Module):
     def quantize_weights(self, mode: str, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         """Weight-only quantization (int8 / int4) of every matrix the forward multiplies by and of
         the embedding; the full-precision copies are freed: see
-        :func:`~hybridkv.engine.models.quantize_model.quantize_model`."""
-        from hybridkv.engine.models.quantize_model import quantize_model
+        :func:`~hybridkv.engine.loading.quantize_weights.quantize_model`."""
+        from hybridkv.engine.loading.quantize_weights import quantize_model
 
         quantize_model(self, mode, compute_dtype)
         self.use_cpu_kernels(self.model.norm.weight.device.type == "cpu")  # the quantized model's fast path
@@ -257,11 +259,12 @@ class CausalLM(nn.Module):
         on for quantized models (their fast path); the exact default keeps torch's ops."""
         on = bool(enable) and cpu_ops.load() is not None
         for module in self.modules():
-            if hasattr(module, "cpu_kernels"):  # RMSNorm, the attention's RoPE, the gated MLP, this model
-                module.cpu_kernels = on
+            if isinstance(module, CustomOp):  # RMSNorm, RoPE, the gated activation: the choice is made here
+                module.use_cpu_kernels(on)
+        self.cpu_kernels = on
         self.fused_decode = None
         if on and self.quantization is not None:
-            from hybridkv.engine.models.fused_decode import FusedDecode
+            from hybridkv.engine.attention.cpu_stack import FusedDecode
 
             self.fused_decode = FusedDecode.build(self)  # None: some layer cannot run fused
         return on
@@ -296,7 +299,7 @@ class CausalLM(nn.Module):
         # (another model's steps in this process included; cpu_ops.hold_cores, a no-op when they are held)
         cpu_ops.hold_cores(quantized and meta.is_decode())
         hidden = self.embed(input_ids)
-        rope = {name: r.tables(positions, hidden.dtype) for name, r in self.rotaries.items()}  # once per step
+        rope = self.step_tables(positions, hidden.dtype)
         fused = self.fused_decode
         if fused is not None and fused.accepts(hidden, meta):  # a quantized decode step: one C call
             return self.model.norm.forward(fused.run(hidden, rope, meta))
@@ -307,6 +310,11 @@ class CausalLM(nn.Module):
         if quantized:  # the output projection's rows go to the kernels' threads
             cpu_ops.hold_cores(True)
         return self.model.norm.forward(hidden)
+
+    def step_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
+        """What every layer of a step reads, computed once per step: each rotary's tables by its name
+        (a family adds its own per-step tensors under its own keys)."""
+        return {name: r.tables(positions, dtype) for name, r in self.rotaries.items()}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab]."""

@@ -1,7 +1,7 @@
 """Gemma 3 text (``Gemma3ForCausalLM``, model_type ``gemma3_text``), as HF 5.24 runs it.
 
 Also the language model of ``Gemma3ForConditionalGeneration`` checkpoints (``text_config``;
-the vision tower is not loaded, see :func:`~hybridkv.engine.models.weights.language_model_weight_name`).
+the vision tower is not loaded, see :func:`~hybridkv.engine.loading.weights.language_model_weight_name`).
 
 Differences from Llama:
 
@@ -27,38 +27,24 @@ from typing import Any, Mapping
 
 import torch
 
-from hybridkv.engine.attention import AttentionMetadata, AttentionType
+from hybridkv.engine.attention.types import AttentionType
+from hybridkv.engine.layers.decoder import DecoderLayer, DecoderStack, describe_layer, require
+from hybridkv.engine.layers.norms import RMSNorm
+from hybridkv.engine.layers.rope import RotaryEmbedding
 from hybridkv.engine.models.base import CausalLM
-from hybridkv.engine.models.decoder import DecoderLayer, DecoderStack, Rope, require
-from hybridkv.engine.models.llama import GatedMLP, LlamaAttention, qk_norm_decode_parts
-from hybridkv.engine.models.norms import RMSNorm, rms_norm_heads
-from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half
+from hybridkv.engine.models.llama import GatedMLP, QKNormAttention
 from hybridkv.errors import InvalidConfigError
 
 __all__ = ["Gemma3ForCausalLM"]
 
 
-class Gemma3Attention(LlamaAttention):
+class Gemma3Attention(QKNormAttention):
+    """q/k norms with a unit offset; queries scaled by ``query_pre_attn_scalar ** -0.5``."""
+
     def __init__(self, model: "Gemma3ForCausalLM", layer_idx: int, attn_type: AttentionType, rope_name: str) -> None:
         bias = bool(model.config.get("attention_bias", False))
-        super().__init__(model, layer_idx, attn_type, qkv_bias=bias, o_bias=bias, rope_name=rope_name)
+        super().__init__(model, layer_idx, attn_type, qkv_bias=bias, o_bias=bias, rope_name=rope_name, unit_offset=True)
         self.scale = float(model.config["query_pre_attn_scalar"]) ** -0.5
-        self.q_norm = RMSNorm(model.head_dim, model.eps, unit_offset=True)
-        self.k_norm = RMSNorm(model.head_dim, model.eps, unit_offset=True)
-        self._qk_norm: dict = {}  # q_norm's and k_norm's multipliers stacked per head (rms_norm_heads)
-
-    def decode_parts(self, qk_norm=None):
-        """:meth:`LlamaAttention.decode_parts` with q_norm's and k_norm's multipliers per head."""
-        return qk_norm_decode_parts(self, Gemma3Attention)
-
-    def qkv(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qk, v = self.project_qk_v(x)  # [T, Hq + Hkv, D], [T, Hkv, D]
-        qk = rms_norm_heads(qk, ((self.q_norm, self.num_heads), (self.k_norm, self.num_kv_heads)), self._qk_norm)
-        cos, sin = rope[self.rope_name]
-        q, k = self.split_qk(apply_rotate_half(qk, cos, sin, fused=self.cpu_kernels))
-        return q, k, v
 
 
 class Gemma3DecoderLayer(DecoderLayer):
@@ -82,8 +68,6 @@ class Gemma3DecoderLayer(DecoderLayer):
         cls = type(self)
         if cls.attn_branch is not Gemma3DecoderLayer.attn_branch or cls.mlp_branch is not Gemma3DecoderLayer.mlp_branch:
             return None
-        from hybridkv.engine.models.fused_decode import describe_layer
-
         return describe_layer(self, self.pre_feedforward_layernorm, self.post_attention_layernorm,
                               self.post_feedforward_layernorm)
 

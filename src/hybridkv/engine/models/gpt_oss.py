@@ -22,12 +22,12 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from hybridkv.engine.attention import AttentionType
+from hybridkv.engine.attention.types import AttentionType
 from hybridkv.engine.models.base import CausalLM
-from hybridkv.engine.models.decoder import DecoderLayer, DecoderStack, require
-from hybridkv.engine.models.norms import RMSNorm
+from hybridkv.engine.layers.decoder import DecoderLayer, DecoderStack, require
+from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.models.llama import LlamaAttention
-from hybridkv.engine.models.rope import RotaryEmbedding, rope_parameters
+from hybridkv.engine.layers.rope import RotaryEmbedding, rope_parameters
 
 __all__ = ["GptOssForCausalLM"]
 

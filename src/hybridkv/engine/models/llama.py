@@ -16,15 +16,17 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from hybridkv.engine import cpu_ops
-from hybridkv.engine.attention import AttentionMetadata, AttentionType, paged_attention
+from hybridkv.engine.attention.layer import paged_attention
+from hybridkv.engine.attention.metadata import AttentionMetadata
+from hybridkv.engine.attention.types import AttentionType
 from hybridkv.engine.models.base import CausalLM
-from hybridkv.engine.models.decoder import DecoderLayer, DecoderStack, Rope, activation, activation_kernel, require
-from hybridkv.engine.models.linear import Linear, PackedWeight, fuse_linears, linear
-from hybridkv.engine.models.norms import RMSNorm, stacked_scales
-from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half, rope_parameters
+from hybridkv.engine.layers.activation import GatedActivation
+from hybridkv.engine.layers.decoder import DecoderLayer, DecoderStack, Rope, require
+from hybridkv.engine.layers.linear import FusedQKV, Linear, PackedWeight, fuse_linears, linear
+from hybridkv.engine.layers.norms import RMSNorm, rms_norm_heads, stacked_scales
+from hybridkv.engine.layers.rope import RotaryEmbedding, RotateHalf, rope_parameters
 
-__all__ = ["GatedMLP", "LlamaAttention", "LlamaForCausalLM"]
+__all__ = ["QKNormAttention", "GatedMLP", "LlamaAttention", "LlamaForCausalLM"]
 
 
 class GatedMLP(nn.Module):
@@ -36,9 +38,7 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, bias=bias)
         self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
-        self.act = activation(act)
-        self.act_kernel = activation_kernel(act)  # its fused C kernel's name, if it has one
-        self.cpu_kernels = False  # act(gate) * up through the fused C kernel (CausalLM.use_cpu_kernels)
+        self.gated_act = GatedActivation(act, intermediate)
         self.register_buffer("gate_up_weight", None, persistent=False)  # [2I, h] once fused
         self.register_buffer("gate_up_bias", None, persistent=False)
         self.gate_up_packed: PackedWeight | None = None
@@ -53,30 +53,27 @@ class GatedMLP(nn.Module):
         return [] if self.gate_up_weight is None else [("gate_up_packed", self.gate_up_weight)]
 
     def decode_parts(self) -> dict[str, Any] | None:
-        """What :class:`~hybridkv.engine.models.fused_decode.FusedDecode` needs: gate/up and down
+        """What :class:`~hybridkv.engine.attention.cpu_stack.FusedDecode` needs: gate/up and down
         quantized, no biases, an activation with a C kernel (else None)."""
         gate_up, down = self.gate_up_packed, self.down_proj.packed
         if (self.gate_up_weight is None or self.gate_up_bias is not None or self.down_proj.bias is not None
                 or not getattr(gate_up, "quantized", False) or not getattr(down, "quantized", False)
-                or self.act_kernel is None or gate_up.kernel_fields() is None or down.kernel_fields() is None):
+                or self.gated_act.kernel is None or gate_up.kernel_fields() is None or down.kernel_fields() is None):
             return None
-        return {"gate_up": gate_up, "down": down, "act": self.act_kernel, "intermediate": self.intermediate}
+        return {"gate_up": gate_up, "down": down, "act": self.gated_act.kernel, "intermediate": self.intermediate}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
-            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.gated_act.act(self.gate_proj(x)) * self.up_proj(x))
         packed = self.gate_up_packed
         if packed is not None and packed.quantized:  # one call less on the quantized decode path
             gate_up = packed.linear(x, self.gate_up_bias)  # [T, 2I]
         else:
             gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, packed)
-        if self.cpu_kernels and self.act_kernel is not None and gate_up.dtype == torch.float32 and gate_up.stride(-1) == 1:
-            return self.down_proj.forward(cpu_ops.gated_act(gate_up, self.act_kernel))
-        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
-        return self.down_proj.forward(self.act(gate).mul_(up))  # act() returns a fresh tensor: no extra buffer
+        return self.down_proj.forward(self.gated_act.forward(gate_up))
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(FusedQKV):
     """q/k/v/o projections + rotate-half RoPE + paged attention of one layer."""
 
     def __init__(
@@ -99,23 +96,12 @@ class LlamaAttention(nn.Module):
         self.k_proj = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.o_proj = Linear(self.num_heads * d, h, bias=o_bias)
-        self.register_buffer("qkv_weight", None, persistent=False)  # [(Hq + 2 Hkv) D, h] once fused
-        self.register_buffer("qkv_bias", None, persistent=False)
-        self.qkv_packed: PackedWeight | None = None
+        self.init_fused_qkv()  # qkv_weight [(Hq + 2 Hkv) D, h] once fused
         self.sinks: torch.Tensor | None = None  # [Hq] learned softmax sinks (GPT-OSS sets a parameter)
-        self.cpu_kernels = False  # RoPE through the fused C kernel (CausalLM.use_cpu_kernels)
-
-    def fuse(self) -> None:
-        self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-
-    def prepack(self, enable: bool = True) -> None:
-        self.qkv_packed = PackedWeight.make(self.qkv_weight) if enable else None
-
-    def quant_targets(self) -> list[tuple[str, torch.Tensor]]:
-        return [] if self.qkv_weight is None else [("qkv_packed", self.qkv_weight)]
+        self.rotate = RotateHalf()  # rotate-half RoPE of q and k (torch's ops or the C kernel)
 
     def decode_parts(self, qk_norm: tuple[torch.Tensor, float] | None = None) -> dict[str, Any] | None:
-        """What :class:`~hybridkv.engine.models.fused_decode.FusedDecode` needs of this attention
+        """What :class:`~hybridkv.engine.attention.cpu_stack.FusedDecode` needs of this attention
         (None when it cannot run fused): q/k/v and o quantized, no biases or sinks, and this
         class's :meth:`qkv` (rotate-half RoPE; ``qk_norm``: the per-head multipliers [Hq + Hkv, D]
         and eps of a subclass's q/k norms)."""
@@ -135,13 +121,7 @@ class LlamaAttention(nn.Module):
 
     def project_heads(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, Hq + 2 Hkv, D]: the q heads, then k, then v (one matmul once fused)."""
-        if self.qkv_weight is None:
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        elif self.qkv_packed is not None and self.qkv_packed.quantized:  # one call less on the quantized path
-            qkv = self.qkv_packed.linear(x, self.qkv_bias)
-        else:
-            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
-        return qkv.view(x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        return self.project_qkv(x).view(x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> q [T, Hq, D], k / v [T, Hkv, D] (views of one projection)."""
@@ -181,19 +161,39 @@ class LlamaAttention(nn.Module):
         """
         qk, v = self.project_qk_v(x)
         cos, sin = rope[self.rope_name]
-        q, k = self.split_qk(apply_rotate_half(qk, cos, sin, fused=self.cpu_kernels))
+        q, k = self.split_qk(self.rotate.forward(qk, cos, sin))
         return q, k, v
 
 
-def qk_norm_decode_parts(attn: LlamaAttention, cls: type) -> dict[str, Any] | None:
-    """``decode_parts`` of an attention whose ``qkv`` is ``cls.qkv``: Llama's, with per-head
-    RMSNorms ``q_norm`` / ``k_norm`` (of one eps) before RoPE, as
-    :func:`~hybridkv.engine.models.norms.rms_norm_heads` applies them to fp32 rows (Gemma 3,
-    Qwen3); None when a subclass changed ``qkv``."""
-    if type(attn).qkv is not cls.qkv or attn.q_norm.eps != attn.k_norm.eps:
-        return None
-    scale = stacked_scales(((attn.q_norm, attn.num_heads), (attn.k_norm, attn.num_kv_heads)))  # [Hq + Hkv, D] fp32
-    return LlamaAttention.decode_parts(attn, (scale, attn.q_norm.eps))
+class QKNormAttention(LlamaAttention):
+    """Llama's attention with per-head RMSNorms ``q_norm`` / ``k_norm`` (weights of size ``head_dim``)
+    on q and k *before* RoPE: ``rope(q_norm(q_proj(x).view(T, Hq, D)))`` (Qwen3; Gemma 3 with
+    ``unit_offset`` norms)."""
+
+    def __init__(self, model: "LlamaForCausalLM", layer_idx: int, attn_type: AttentionType, *, qkv_bias: bool,
+                 o_bias: bool, rope_name: str = "default", unit_offset: bool = False) -> None:
+        super().__init__(model, layer_idx, attn_type, qkv_bias=qkv_bias, o_bias=o_bias, rope_name=rope_name)
+        self.q_norm = RMSNorm(model.head_dim, model.eps, unit_offset=unit_offset)
+        self.k_norm = RMSNorm(model.head_dim, model.eps, unit_offset=unit_offset)
+        self._qk_norm: dict = {}  # q_norm's and k_norm's multipliers stacked per head (rms_norm_heads)
+
+    def decode_parts(self, qk_norm: tuple[torch.Tensor, float] | None = None) -> dict[str, Any] | None:
+        """:meth:`LlamaAttention.decode_parts` with q_norm's and k_norm's multipliers per head, as
+        :func:`~hybridkv.engine.layers.norms.rms_norm_heads` applies them to fp32 rows (one eps);
+        None when a subclass changed :meth:`qkv`."""
+        if type(self).qkv is not QKNormAttention.qkv or self.q_norm.eps != self.k_norm.eps:
+            return None
+        scale = stacked_scales(((self.q_norm, self.num_heads), (self.k_norm, self.num_kv_heads)))  # [Hq + Hkv, D]
+        return LlamaAttention.decode_parts(self, (scale, self.q_norm.eps))
+
+    def qkv(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qk, v = self.project_qk_v(x)  # [T, Hq + Hkv, D], [T, Hkv, D]
+        qk = rms_norm_heads(qk, ((self.q_norm, self.num_heads), (self.k_norm, self.num_kv_heads)), self._qk_norm)
+        cos, sin = rope[self.rope_name]
+        q, k = self.split_qk(self.rotate.forward(qk, cos, sin))
+        return q, k, v
 
 
 class LlamaForCausalLM(CausalLM):

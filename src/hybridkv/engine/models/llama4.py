@@ -1,7 +1,7 @@
 """Llama 4 text (``Llama4ForCausalLM``, model_type ``llama4_text``): iRoPE, as HF 5.24 runs it.
 
 Also the language model of ``Llama4ForConditionalGeneration`` checkpoints (``text_config``;
-the vision model is not loaded, see :func:`~hybridkv.engine.models.weights.language_model_weight_name`).
+the vision model is not loaded, see :func:`~hybridkv.engine.loading.weights.language_model_weight_name`).
 
 * ``no_rope_layers[i] == 1`` means layer ``i`` *uses* RoPE (default: every
   ``no_rope_layer_interval``-th layer is NoPE). ``layer_types[i]`` picks the mask:
@@ -27,13 +27,16 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from hybridkv.engine.attention import AttentionMetadata
+from hybridkv.engine.attention.metadata import AttentionMetadata
 from hybridkv.engine.models.base import CausalLM
-from hybridkv.engine.models.decoder import DecoderLayer, DecoderStack, Rope, activation, require
-from hybridkv.engine.models.norms import RMSNorm
+from hybridkv.engine.layers.activation import activation
+from hybridkv.engine.layers.decoder import DecoderLayer, DecoderStack, Rope, require
+from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.models.llama import GatedMLP, LlamaAttention
-from hybridkv.engine.models.rope import RotaryEmbedding, apply_interleaved, rope_parameters
+from hybridkv.engine.layers.rope import RotaryEmbedding, apply_interleaved, rope_parameters
 from hybridkv.errors import InvalidConfigError
+
+ATTN_SCALES = "llama4_attn_scales"  # the step tables' key of the NoPE layers' query scales
 
 __all__ = ["Llama4ForCausalLM"]
 
@@ -54,9 +57,7 @@ class Llama4Attention(LlamaAttention):
         self.use_rope = bool(model.no_rope_layers[layer_idx])
         self.qk_norm = bool(cfg.get("use_qk_norm", True)) and self.use_rope
         self.eps = float(cfg.get("rms_norm_eps", 1e-5))
-        self.temperature_tuning = bool(cfg.get("attn_temperature_tuning", True)) and not self.use_rope
-        self.floor_scale = float(cfg.get("floor_scale", 8192))
-        self.attn_scale = float(cfg.get("attn_scale", 0.1))
+        self.temperature_tuning = model.temperature_tuning and not self.use_rope
 
     def qkv(
         self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, meta: AttentionMetadata
@@ -68,17 +69,8 @@ class Llama4Attention(LlamaAttention):
             qk = _l2_norm(qk, self.eps)
         q, k = self.split_qk(qk)
         if self.temperature_tuning:
-            q = (q * self._attn_scales(positions, meta)).to(q.dtype)  # [T, Hq, D] * [T, 1, 1]
+            q = (q * rope[ATTN_SCALES]).to(q.dtype)  # [T, Hq, D] * [T, 1, 1] (Llama4ForCausalLM.step_tables)
         return q, k, v
-
-    def _attn_scales(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """[T, 1, 1]: ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``, once per step."""
-
-        def make() -> torch.Tensor:
-            scales = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
-            return scales.view(-1, 1, 1)
-
-        return meta.memo(("llama4_attn_scales", self.floor_scale, self.attn_scale), make)
 
 
 class Llama4Experts(nn.Module):
@@ -147,6 +139,18 @@ class Llama4ForCausalLM(CausalLM):
         self.rotaries["default"] = RotaryEmbedding(
             rope_parameters(config, 500000.0), self.head_dim, self.max_position_embeddings, interleaved=True
         )
+        self.temperature_tuning = bool(config.get("attn_temperature_tuning", True))
+        self.floor_scale = float(config.get("floor_scale", 8192))
+        self.attn_scale = float(config.get("attn_scale", 0.1))
         layers = [_decoder_layer(self, i) for i in range(n)]
         self.model = DecoderStack(self.vocab_size, self.hidden_size, layers, RMSNorm(self.hidden_size, self.eps))
         self._build_head()
+
+    def step_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The rotary's tables, and with temperature tuning the NoPE layers' query scales [T, 1, 1]:
+        ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1`` (under :data:`ATTN_SCALES`)."""
+        tables = super().step_tables(positions, dtype)
+        if self.temperature_tuning:
+            scales = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+            tables[ATTN_SCALES] = scales.view(-1, 1, 1)
+        return tables

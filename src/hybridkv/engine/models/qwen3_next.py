@@ -3,7 +3,7 @@
 Layers mix two token mixers (``layer_types``, else every ``full_attention_interval``-th
 layer, 4, is full attention; the planner reads this: :attr:`CausalLM.layout`):
 
-* ``linear_attn``: Gated DeltaNet (:class:`~hybridkv.engine.models.gated_deltanet.GatedDeltaNet`)
+* ``linear_attn``: Gated DeltaNet (:class:`~hybridkv.engine.layers.gated_deltanet.GatedDeltaNet`)
   with a per-sequence state in slots, driven by a :class:`StateMetadata`;
 * ``self_attn``: *gated* full attention over the paged KV: ``q_proj`` gives per head
   ``[q (D) | gate (D)]``, q and k get a per-head RMSNorm, RoPE rotates only the first
@@ -30,15 +30,17 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from hybridkv.engine.attention import FULL, AttentionMetadata, paged_attention
+from hybridkv.engine.attention.layer import paged_attention
+from hybridkv.engine.attention.metadata import AttentionMetadata
+from hybridkv.engine.attention.types import FULL
 from hybridkv.engine.models.base import CausalLM
-from hybridkv.engine.models.decoder import DecoderStack, Rope, require
-from hybridkv.engine.models.norms import RMSNorm
-from hybridkv.engine.models.gated_deltanet import GatedDeltaNet, StateMetadata, StateShape
+from hybridkv.engine.layers.decoder import DecoderStack, Rope, require
+from hybridkv.engine.layers.norms import RMSNorm
+from hybridkv.engine.layers.gated_deltanet import GatedDeltaNet, StateMetadata, StateShape
 from hybridkv.engine.state import StepStates
-from hybridkv.engine.models.linear import Linear, PackedWeight, fuse_linears, linear
+from hybridkv.engine.layers.linear import FusedQKV, Linear
 from hybridkv.engine.models.llama import GatedMLP
-from hybridkv.engine.models.rope import RotaryEmbedding, apply_rotate_half, rope_parameters
+from hybridkv.engine.layers.rope import RotaryEmbedding, apply_rotate_half, rope_parameters
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 from hybridkv.planner.architectures import LINEAR_KIND
 
@@ -48,7 +50,7 @@ __all__ = ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(FusedQKV):
     """Qwen3-Next's full attention: per-head output gate, q/k norms, partial RoPE."""
 
     def __init__(self, model: "Qwen3NextForCausalLM", layer_idx: int) -> None:
@@ -65,18 +67,7 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * d, h, bias=bias)
         self.q_norm = RMSNorm(d, model.eps, unit_offset=True)
         self.k_norm = RMSNorm(d, model.eps, unit_offset=True)
-        self.register_buffer("qkv_weight", None, persistent=False)
-        self.register_buffer("qkv_bias", None, persistent=False)
-        self.qkv_packed: PackedWeight | None = None
-
-    def fuse(self) -> None:
-        self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-
-    def prepack(self, enable: bool = True) -> None:
-        self.qkv_packed = PackedWeight.make(self.qkv_weight) if enable else None
-
-    def quant_targets(self) -> list[tuple[str, torch.Tensor]]:
-        return [] if self.qkv_weight is None else [("qkv_packed", self.qkv_weight)]
+        self.init_fused_qkv()  # qkv_weight [(2 Hq + 2 Hkv) D, h] once fused
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = self.rotary_dim
@@ -91,10 +82,7 @@ class GatedAttention(nn.Module):
         """x [T, hidden] -> [T, hidden] ([N, hidden] with ``keep``); writes this step's K/V."""
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_weight is None:
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        else:
-            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
+        qkv = self.project_qkv(x)  # [T, (2 Hq + 2 Hkv) D]
         qg = qkv[:, : 2 * hq * d].view(t, hq, 2 * d)
         gate = qg[..., d:]  # [T, Hq, D]
         k = qkv[:, 2 * hq * d : (2 * hq + hkv) * d].view(t, hkv, d)
