@@ -12,6 +12,38 @@ if os.environ.get("HYBRIDKV_TEST_GPU") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _deselects_slow(config) -> bool:
+    """Whether this run's ``-m`` expression keeps an unmarked test but drops a ``slow`` one
+    (the fast tier, ``-m "not slow and not live"``)."""
+    expr = (config.getoption("markexpr", "") or "").strip()
+    if not expr:
+        return False
+    try:
+        from _pytest.mark.expression import Expression
+
+        compiled = Expression.compile(expr)
+        return compiled.evaluate(lambda name, **kw: False) and not compiled.evaluate(lambda name, **kw: name == "slow")
+    except Exception:  # a pytest without that module: read the expression
+        return "not slow" in expr
+
+
+def pytest_configure(config):
+    """The fast tier runs randomised tests on fewer examples (``tests/support/tiers.py``): a
+    Hypothesis profile for the tests that keep Hypothesis' default count, and ``tiers.FAST`` for
+    the ones that write their own (``examples(n)``). The full suite runs every figure as written."""
+    if not _deselects_slow(config):
+        return
+    from tests.support import tiers
+
+    tiers.FAST = True
+    try:
+        from hypothesis import settings
+    except ImportError:
+        return
+    settings.register_profile("hybridkv-fast", max_examples=10)
+    settings.load_profile("hybridkv-fast")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
     """One torch thread for the whole session: the test models are tiny, and a second thread only

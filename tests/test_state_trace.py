@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.support.tiers import examples, slow_except
 
 
 from _state_trace import (
@@ -89,7 +90,7 @@ def test_trace_runs_on_hybridkv_with_aligned_chunks(name):
     assert waits and all((start + n) // bs * bs <= start for start, n in waits)
 
 
-@pytest.mark.parametrize("name", ["q0s", "qns"])
+@pytest.mark.parametrize("name", slow_except(["q0s", "qns"], 0))
 def test_junctions_on_the_trace(name):
     """Lookups whose full-attention hit went further than every state checkpoint found the
     junction there: a block boundary past the hit, within the tokens asked; chunks stop at it
@@ -176,7 +177,7 @@ def test_real_page_trace_layout():
     assert specs[1].padding_bytes == 16_384
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(bs=st.sampled_from([1, 4, 16, 544]), prompt=st.integers(1, 3000), extra=st.integers(0, 40),
        start_frac=st.floats(0, 1), n=st.integers(1, 9000), budget=st.sampled_from([8, 256, 8192]),
        junction_frac=st.one_of(st.none(), st.floats(0, 1)))

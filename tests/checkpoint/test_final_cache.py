@@ -10,6 +10,7 @@ import pytest
 import torch
 from tests.support.gguf_tiny import write_like_llama_cpp
 from tests.support.hf_tiny import build_tiny
+from tests.support.tiers import slow_except
 
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.models import load_model
@@ -29,7 +30,7 @@ def _tokens(model, dtype, quantization):
     return engine.generate([list(range(3, 30))], SamplingParams(max_tokens=8))[0].output_token_ids, engine
 
 
-@pytest.mark.parametrize("dtype,quantization", [("bfloat16", None), ("float32", "int8"), ("float32", "int4")])
+@pytest.mark.parametrize("dtype,quantization", slow_except([("bfloat16", None), ("float32", "int8"), ("float32", "int4")], 0, multi=True))
 def test_final_form_round_trip(gguf_path, private_tensor_cache, monkeypatch, dtype, quantization):
     cold = load_model(gguf_path, dtype=dtype, quantization=quantization)
     files = sorted(p.name for p in private_tensor_cache.glob("*.safetensors"))

@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 from tests.support.gguf_tiny import write_gguf
+from tests.support.tiers import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -69,7 +70,7 @@ def _entries(draw):
     return rows, V.ARRAY, V.ARRAY, [[back(v) for v in row] for row in rows]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(entries=st.dictionaries(st.text(min_size=1, max_size=10), _entries(), max_size=8))
 def test_metadata_round_trips_through_gguf_writer(tmp_path_factory, entries):
     path = tmp_path_factory.mktemp("rt") / "m.gguf"

@@ -15,6 +15,7 @@ import torch
 from tests.support.engine_driver import Req, run_engine
 from tests.support.gguf_tiny import QUANT_CYCLE, _permute, write_gguf, write_like_llama_cpp
 from tests.support.hf_tiny import build_tiny, hf_generate
+from tests.support.tiers import slow_except
 
 from hybridkv.checkpoint import GGUFFile, ModelSource, resolve_model
 from hybridkv.engine.engine import EngineConfig, LLMEngine
@@ -62,7 +63,7 @@ def converted(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", slow_except(["llama", "gemma3"], 1))
 def test_state_equals_transformers_loading_the_same_gguf(arch, converted):
     path, hf, ours, _ = converted(arch)
     mine, theirs = ours.state_dict(), hf.state_dict()

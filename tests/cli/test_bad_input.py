@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.support.tiers import examples, slow_except
 
 from hybridkv.cli import main
 
@@ -335,8 +336,9 @@ def test_binary_trace_has_no_traceback(bad_files):
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
-@pytest.mark.parametrize("argv", [["plan", "mistral-7b", "--json"],
-                                  ["simulate", "mistral-7b", "--memory", "4GiB", "--num-requests", "2", "--json-series"]])
+@pytest.mark.parametrize("argv", slow_except([["plan", "mistral-7b", "--json"],
+                                              ["simulate", "mistral-7b", "--memory", "4GiB", "--num-requests", "2", "--json-series"]],
+                                             0))
 def test_full_disk_is_one_line(argv):
     with open("/dev/full", "w") as full:
         proc = _cli(*argv, "--no-progress" if argv[0] == "simulate" else "--json", stdout=full)
@@ -376,7 +378,7 @@ def _check_outcome(code: int, out: str, err: str) -> None:
         assert out and err == ""
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(options=st.lists(st.tuples(st.sampled_from(_PLAN_OPTIONS), st.sampled_from(_NASTY)), max_size=4),
        model=st.sampled_from(["mistral-7b", "llama4-scout", "gemma-3-27b", "gpt-oss-20b", "nope", ""]))
 def test_random_plan_options_are_a_plan_or_one_line(options, model, capsys):
@@ -387,7 +389,7 @@ def test_random_plan_options_are_a_plan_or_one_line(options, model, capsys):
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(picks=st.dictionaries(st.sampled_from(sorted(_SIM_OPTIONS)), st.integers(0, 9), max_size=4),
        model=st.sampled_from(["mistral-7b", "llama4-scout", "gemma-3-27b"]))
 def test_random_simulate_options_are_a_run_or_one_line(picks, model, capsys):

@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.support.hf_tiny import build_tiny, hf_generate  # noqa: E402
+from tests.support.tiers import slow_except  # noqa: E402
 from tests.support.tiny_tokenizer import write_tokenizer  # noqa: E402
 
 from hybridkv.cli import main  # noqa: E402
@@ -143,7 +144,7 @@ def _reference(text_model, prompt_ids, n):
 BASE = ["--max-tokens", "8", "--ignore-eos", "--block-size", "4"]
 
 
-@pytest.mark.parametrize("layout", [[], ["--no-hybrid"]])
+@pytest.mark.parametrize("layout", slow_except([[], ["--no-hybrid"]], 0))
 def test_one_prompt_streams_text_and_ends_with_one_summary_line(text_model, capsys, monkeypatch, layout):
     path, _, hf_tok = text_model
     import hybridkv.cli.generate as gen

@@ -22,6 +22,7 @@ from hybridkv.core.config import KVCacheConfig, KVCacheGroup
 from hybridkv.core.coordinator import KVCacheCoordinator
 
 from tests.support.kv_specs import chunked, fake_hashes, full, mark_cached, sliding, state
+from tests.support.tiers import examples
 
 
 def first_needed_token(spec, L):
@@ -66,7 +67,7 @@ spec_strategy = st.one_of(
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(
     bs=st.integers(1, 4),
     kinds=st.lists(spec_strategy, min_size=1, max_size=3),
@@ -86,7 +87,7 @@ def test_hit_is_the_longest_valid_for_every_group(bs, kinds, data):
     check_hit(c, specs, hashes, cached, expect, bs, data.draw(st.integers(0, num_blocks * bs + bs - 1)))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     bs=st.integers(1, 4),
     kinds=st.lists(st.sampled_from([("full", 0), ("sliding", 3), ("chunked", 3), ("chunked", 5), ("state", 0)]),

@@ -15,6 +15,7 @@ from hybridkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from hybridkv.core.kv_cache_manager import KVCacheManager
 
 from tests.support.manager_machines import BS, HybridManagerMachine, MixedStripeWidthsMachine
+from tests.support.tiers import examples
 
 
 class EventReplay:
@@ -71,7 +72,7 @@ class MixedStripeEventsMachine(EventReplay, MixedStripeWidthsMachine):
     pass
 
 
-_SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_SETTINGS = settings(max_examples=examples(100), stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestHybridEvents = HybridEventsMachine.TestCase
 TestHybridEvents.settings = _SETTINGS
 TestMixedStripeEvents = MixedStripeEventsMachine.TestCase

@@ -4,14 +4,15 @@
 from hypothesis import HealthCheck, settings
 
 from tests.support.manager_machines import HybridManagerMachine, MixedStripeWidthsMachine
+from tests.support.tiers import examples
 
 TestHybridManager = HybridManagerMachine.TestCase
 TestHybridManager.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(150), stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 
 TestMixedStripeWidths = MixedStripeWidthsMachine.TestCase
 TestMixedStripeWidths.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(150), stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

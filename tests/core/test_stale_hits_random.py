@@ -30,6 +30,7 @@ from hybridkv.core.specs import cdiv
 from hybridkv.errors import StaleHitError
 
 from tests.support.kv_specs import chunked, full, manager_snapshot, sliding
+from tests.support.tiers import examples, slow_except
 
 BS = 2
 SPECS = (full(BS), sliding(3, BS), chunked(6, BS), chunked(6, BS), sliding(5, BS))
@@ -214,7 +215,7 @@ class StaleHitGroupsMachine(StaleHitMachine):
     STRIPE = False
 
 
-_SETTINGS = settings(max_examples=40, stateful_step_count=40, deadline=None,
+_SETTINGS = settings(max_examples=examples(40), stateful_step_count=40, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestStaleHitsStripes = StaleHitMachine.TestCase
 TestStaleHitsStripes.settings = _SETTINGS
@@ -223,7 +224,7 @@ TestStaleHitsGroups.settings = _SETTINGS
 
 
 # --------------------------------------------------------------------- seeded loop
-@pytest.mark.parametrize("stripe", [True, False])
+@pytest.mark.parametrize("stripe", slow_except([True, False], 0))
 def test_seeded_old_hits(stripe):
     """Weighted towards old hits: each kind of outcome must occur, so the test can fail."""
     total: Counter = Counter()

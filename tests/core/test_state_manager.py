@@ -15,6 +15,7 @@ from hybridkv.errors import InvalidConfigError, InvalidSpecError
 
 from tests.support.kv_specs import full, state
 from tests.support.state_machine import BS, StateMachine, manager
+from tests.support.tiers import examples
 
 
 def step(kv, req, n, hit=0, blocks=None):
@@ -113,7 +114,7 @@ def test_the_pool_bound_is_two_state_blocks_per_group():
 
 
 # ----------------------------------------------------------------------------- aligned chunks
-@settings(max_examples=800, deadline=None)
+@settings(max_examples=examples(800), deadline=None)
 @given(bs=st.integers(1, 8), prompt=st.integers(1, 60), extra=st.integers(0, 5), start=st.integers(0, 64),
        budget=st.integers(1, 40), step_budget=st.one_of(st.none(), st.integers(1, 40)), junction=st.integers(0, 16))
 def test_aligned_chunks(bs, prompt, extra, start, budget, step_budget, junction):
@@ -176,7 +177,7 @@ def test_bad_retention_intervals(interval):
 
 
 # ----------------------------------------------------------------------------- the fake-model machine
-SETTINGS = settings(max_examples=50, stateful_step_count=30, deadline=None,
+SETTINGS = settings(max_examples=examples(50), stateful_step_count=30, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 TestStateMachine = StateMachine.TestCase
 TestStateMachine.settings = SETTINGS

@@ -14,6 +14,7 @@ from hybridkv.core.config import CacheManagerConfig, KVCacheConfig, KVCacheGroup
 from hybridkv.core.kv_cache_manager import KVCacheManager
 
 from tests.support.kv_specs import chunked, full, sliding
+from tests.support.tiers import examples
 
 BS = 2
 SPECS = (full(BS), chunked(6, BS), sliding(5, BS), chunked(6, BS), chunked(6, BS), sliding(5, BS))
@@ -101,5 +102,5 @@ class StripesVsGroups(RuleBasedStateMachine):
 
 TestStripesVsGroups = pytest.mark.slow(StripesVsGroups.TestCase)
 TestStripesVsGroups.settings = settings(
-    max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(120), stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -12,6 +12,7 @@ from hybridkv.core.kv_cache_manager import KVCacheManager
 from hybridkv.core.usage import usable_blocks
 
 from tests.support.kv_specs import chunked, full, sliding
+from tests.support.tiers import slow_except
 
 LAYOUTS = {
     "full": (full(),),
@@ -31,8 +32,8 @@ def by_hand(kv: KVCacheManager, live: dict) -> tuple[list[int], int]:
     return [len(h) for h in held], cached_free
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("stripes", [False, True])
+@pytest.mark.parametrize("layout", slow_except(sorted(LAYOUTS), sorted(LAYOUTS).index("full+sliding")))
+@pytest.mark.parametrize("stripes", [False, True])  # the fast tier: full+sliding
 def test_pool_usage_equals_a_count_by_hand(layout, stripes):
     rng = random.Random(hash((layout, stripes)) & 0xFFFF)
     specs = LAYOUTS[layout]

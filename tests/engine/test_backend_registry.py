@@ -8,6 +8,7 @@ and logits bit for bit; the registry's names, overrides, refusals and the ``auto
 from __future__ import annotations
 
 import pytest
+from tests.support.tiers import slow_except
 import torch
 
 from hybridkv.engine.attention import registry
@@ -64,7 +65,7 @@ def _run(path, backend: str) -> tuple[list[list[int]], list[torch.Tensor], int]:
     return [tokens[r] for r in rids], logits, steps
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])  # sliding + full layers; sinks
+@pytest.mark.parametrize("arch", slow_except(["gemma3", "gpt_oss"], 0))  # sliding + full layers; sinks
 def test_a_registered_backend_runs_the_engine_as_the_reference(tiny_models, counting, arch):
     path, _ = tiny_models(arch)
     want_tokens, want_logits, steps = _run(path, "reference")

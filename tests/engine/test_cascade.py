@@ -14,6 +14,7 @@ import pytest
 import torch
 from tests.support.dense_attention import dense
 from tests.support.hf_tiny import hf_generate
+from tests.support.tiers import slow_except
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -89,7 +90,7 @@ def _shared_case(seed, kind, size, page, prefix_blocks, seqs, hq=4, hkv=2, d=16)
 
 
 @needs_triton
-@pytest.mark.parametrize("kind,size", [("full", None), ("sliding", 64), ("chunked", 64)])
+@pytest.mark.parametrize("kind,size", slow_except([("full", None), ("sliding", 64), ("chunked", 64)], 1, multi=True))
 def test_cascade_matches_dense(monkeypatch, kind, size):
     monkeypatch.setattr(cascade, "CASCADE_MIN_PREFIX", 8)
     monkeypatch.setattr(cascade, "CASCADE_MIN_SEQS", 2)

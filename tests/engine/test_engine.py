@@ -14,6 +14,7 @@ import shutil
 import pytest
 import torch
 from tests.support.hf_tiny import CONFIGS, hf_generate
+from tests.support.tiers import slow_except
 
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.errors import InvalidArgumentError, PoolTooSmallError, PromptTooLongError
@@ -95,7 +96,9 @@ BACKENDS = _backends()
 
 
 # the triton interpreter takes ~9 s a run: every family once, with prefix caching on
-CASES = [(a, c, "reference") for a in ARCHS for c in (True, False)]
+# the fast tier: gemma3 with and without prefix caching; the full suite: every family
+CASES = [(a, c, "reference") if a == "gemma3" else pytest.param(a, c, "reference", marks=pytest.mark.slow)
+         for a in ARCHS for c in (True, False)]
 CASES += [pytest.param(a, True, "triton", marks=pytest.mark.slow) for a in ARCHS if "triton" in BACKENDS]
 
 
@@ -120,7 +123,7 @@ def test_engine_matches_hf(arch, caching, backend, refs):
     assert (engine.nulled_seen > 0) == local  # dead window / chunk blocks were given back
 
 
-EVICTION = [(a, "reference") for a in ARCHS]
+EVICTION = [(a, "reference") if a == "gemma3" else pytest.param(a, "reference", marks=pytest.mark.slow) for a in ARCHS]
 EVICTION += [pytest.param(a, "triton", marks=pytest.mark.slow)
              for a in ("gemma3", "llama4_dense", "gpt_oss") if "triton" in BACKENDS and a in ARCHS]
 
@@ -218,7 +221,7 @@ def test_stop_token_ids_hold_with_ignore_eos_and_generation_config_eos_counts(re
     assert list(out.output_token_ids) == tokens[: i + 1] and out.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("arch", ["mistral", "llama4_dense", "gemma3"])
+@pytest.mark.parametrize("arch", slow_except(["mistral", "llama4_dense", "gemma3"], 0))
 def test_default_pool_holds_one_request_of_max_model_len_under_any_budget(arch, tiny_models):
     """The engine's default pool, the planner's grouping and the scheduler's admission ask one
     bound: with max_num_seqs 1 the pool is exactly one request (+ the null block), and a

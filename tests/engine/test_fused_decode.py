@@ -6,6 +6,7 @@ per-layer path; a step it is handed with positions outside the tables changes no
 from __future__ import annotations
 
 import pytest
+from tests.support.tiers import slow_except
 import torch
 
 from hybridkv.engine import cpu_ops
@@ -62,7 +63,7 @@ CASES = [(arch, quant, compute) for arch in ("llama", "gemma3") for quant in ("i
 CASES += [("mistral", "int4", torch.bfloat16), ("qwen3_plain", "int8", torch.bfloat16)]  # sliding; q/k norms
 
 
-@pytest.mark.parametrize("arch,quant,compute", CASES)
+@pytest.mark.parametrize("arch,quant,compute", slow_except(CASES, 4, 6, multi=True))  # the fast tier: gemma3 int8 / int4, bf16
 def test_fused_decode_is_the_per_layer_path_bit_for_bit(tiny_models, arch, quant, compute):
     path, _ = tiny_models(arch)
     model = load_model(path)

@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 from tests.support.hf_tiny import hf_generate
+from tests.support.tiers import slow_except
 from tests.support.tiny_tokenizer import write_tokenizer
 
 from hybridkv.engine.engine import EngineConfig
@@ -93,7 +94,7 @@ def test_chat_prompt_is_rendered_and_encoded_as_transformers_does(tiny, llm):
     assert (list(out.token_ids), out.text) == reference(tiny, list(want))
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", slow_except(range(6), 0))
 def test_stop_strings_cut_the_text_and_abort_the_request(tiny, llm, seed):
     """A stop string taken from the reference text ends the output just before it; the request
     is aborted at once (blocks freed, fewer tokens than max_tokens when the stop comes early)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from tests.support.tiers import slow_except
 import torch
 
 from hybridkv.core.specs import cdiv
@@ -43,8 +44,8 @@ def state_model(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "llama4_dense", "llama", "qwen3_next"])
-@pytest.mark.parametrize("budget", [16, 40, 256])
+@pytest.mark.parametrize("arch", slow_except(["gemma3", "llama4_dense", "llama", "qwen3_next"], 0, 3))
+@pytest.mark.parametrize("budget", slow_except([16, 40, 256], 0))  # the fast tier: budget 16, gemma3 and qwen3_next
 def test_n_samples_compute_the_prompt_once(arch, budget, tiny_models, request):
     # qwen3_next: its prefill chunks end on block boundaries (state checkpoints), so a chunk
     # can leave budget over while the prompt is still being computed

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.support.tiers import examples, slow_except
 
 from hybridkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from hybridkv.engine.engine import EngineConfig, LLMEngine
@@ -73,8 +74,8 @@ def run(model, hybrid: bool, **config):
     return engine, outputs, {k: torch.stack(v) for k, v in logits.items()}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("budget, tight", [(16, False), (7, True)])
+@pytest.mark.parametrize("arch", slow_except(ARCHS, 0))  # the fast tier: gemma3 in the tight pool
+@pytest.mark.parametrize("budget, tight", slow_except([(16, False), (7, True)], 1, multi=True))
 def test_no_hybrid_same_tokens_and_logits_more_bytes(arch, budget, tight, models):
     model = models(arch)
     config = dict(block_size=4, max_num_batched_tokens=budget, max_model_len=96)
@@ -133,7 +134,7 @@ def _spec(kind: str, size: int):
 specs = st.builds(_spec, st.sampled_from(["full", "sliding", "chunked"]), st.integers(1, 24))
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(specs, specs)
 def test_covers_matches_a_brute_force_oracle(group, layer):
     """A group covers a layer iff at every point the group keeps every key the layer reads

@@ -20,6 +20,7 @@ import pytest
 import torch
 from tests.support.engine_driver import Req, run_engine
 from tests.support.hf_tiny import CONFIGS, EXTRA_CONFIGS, hf_generate
+from tests.support.tiers import slow_except
 
 from hybridkv.engine.attention.metadata import AttentionMetadata
 from hybridkv.engine.attention.types import AttentionType
@@ -30,6 +31,12 @@ from hybridkv.scheduler import SamplingParams
 
 ENGINE_ARCHS = list(CONFIGS)
 ARCHS = ENGINE_ARCHS + list(EXTRA_CONFIGS)
+FAST_ARCHS = ("gemma3", "qwen3")  # the fast tier's architectures; the full suite runs every one
+
+
+def _params(archs: list[str]) -> list:
+    return slow_except(archs, *(i for i, a in enumerate(archs) if a in FAST_ARCHS))
+
 TOL = 1e-4
 NEW_TOKENS = 16
 
@@ -82,7 +89,7 @@ def _check(result, refs, names):
         assert diff < TOL, f"request {name}: max logit diff {diff:.2e}"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", _params(ARCHS))
 def test_prompt_logits_match_hf_forward(arch, tiny_models, arch_refs):
     _, hf = tiny_models(arch)
     model, _ = arch_refs(arch)
@@ -94,7 +101,7 @@ def test_prompt_logits_match_hf_forward(arch, tiny_models, arch_refs):
     assert (got - want).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", _params(ARCHS))
 def test_greedy_batched_chunked_prefill(arch, arch_refs):
     """Three requests in every step, prefill in pieces of 7, block 8."""
     model, refs = arch_refs(arch)
@@ -105,7 +112,7 @@ def test_greedy_batched_chunked_prefill(arch, arch_refs):
     assert (result.blocks.stats.nulled_blocks > 0) == local
 
 
-@pytest.mark.parametrize("arch", ENGINE_ARCHS)
+@pytest.mark.parametrize("arch", _params(ENGINE_ARCHS))
 def test_greedy_shared_prefixes(arch, arch_refs):
     """Block 4, one layer per group, later requests start from another request's blocks."""
     model, refs = arch_refs(arch)
@@ -120,7 +127,7 @@ def test_greedy_shared_prefixes(arch, arch_refs):
     assert result.blocks.stats.shared_tokens >= 40
 
 
-@pytest.mark.parametrize("arch", ENGINE_ARCHS)
+@pytest.mark.parametrize("arch", _params(ENGINE_ARCHS))
 def test_greedy_under_preemption(arch, arch_refs):
     """A pool that holds one request but not three: requests are preempted and recomputed."""
     model, refs = arch_refs(arch)
@@ -134,7 +141,7 @@ def test_greedy_under_preemption(arch, arch_refs):
     _check(result, refs, "ABC")
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
+@pytest.mark.parametrize("arch", _params([a for a in ARCHS if a != "llama"]))
 def test_wrong_window_or_chunk_is_detected(arch, arch_refs, tiny_models):
     """Control: the prompts are long enough that a window / chunk off by one changes the logits."""
     _, hf = tiny_models(arch)
@@ -155,7 +162,7 @@ def test_wrong_window_or_chunk_is_detected(arch, arch_refs, tiny_models):
     assert (got - want).abs().max().item() > 1e-2
 
 
-@pytest.mark.parametrize("arch", list(EXTRA_CONFIGS))
+@pytest.mark.parametrize("arch", _params(list(EXTRA_CONFIGS)))
 def test_llm_engine_generates_as_hf(arch, tiny_models, arch_refs):
     """``LLMEngine`` (what ``hybridkv generate`` runs) on the checkpoint directory: HF's greedy tokens."""
     path, _ = tiny_models(arch)

@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.support.tiers import examples
 
 from hybridkv.engine.penalties import adjusts, apply_penalties
 from hybridkv.engine.sampling import FAULT, Sampler
@@ -106,7 +107,7 @@ def _apply(logits, batch, sampler: Sampler | None = None):
 
 
 # ------------------------------------------------------------ reference rules
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches())
 def test_batched_application_matches_the_fp64_reference(case):
     logits, batch = case
@@ -129,7 +130,7 @@ def test_batched_application_matches_the_fp64_reference(case):
                 assert _apply(logits[i : i + 1], [(top1, prompt, output)], sampler) == [argmax]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches())
 def test_a_row_does_not_depend_on_its_batch_on_either_path(case):
     """Bit-identical adjusted logits alone and in the batch; identical greedy and seeded tokens."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.support.tiers import examples, slow_except
 
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.models import load_model
@@ -20,7 +21,7 @@ def _weights(n, k, seed):
     return w, torch.randn(5, k, generator=gen)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(st.integers(1, 300), st.integers(1, 96), st.integers(0, 10**6))
 def test_int8_linear_equals_its_dequantized_weight(n, k, seed):
     w, x = _weights(n, k, seed)
@@ -35,7 +36,7 @@ def test_int8_linear_equals_its_dequantized_weight(n, k, seed):
     torch.testing.assert_close(q.rows(ids), deq[ids])
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(st.integers(1, 200), st.sampled_from([32, 64, 128]), st.integers(1, 4), st.integers(0, 10**6))
 def test_int4_linear_equals_its_dequantized_weight(n, group, groups, seed):
     k = group * groups
@@ -81,7 +82,7 @@ def test_group_sizes_and_errors():
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "gpt_oss"])
+@pytest.mark.parametrize("arch", slow_except(["llama", "gemma3", "qwen2", "gpt_oss"], 1))  # the fast tier: gemma3
 def test_quantized_model_equals_the_exact_path_on_dequantized_weights(arch, mode, tiny_models):
     """The quantized engine computes what the exact engine computes with every quantized matrix
     replaced by its dequantized values (logits within 1e-4 relative); the full-precision copies

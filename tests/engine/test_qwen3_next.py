@@ -16,6 +16,7 @@ tf = pytest.importorskip("transformers")
 
 from tests.support.hf_tiny import hf_generate  # noqa: E402
 from tests.support.qwen3_next_tiny import COMMON, CONFIGS, FULL, LINEAR, build_qwen3_next, redraw  # noqa: E402
+from tests.support.tiers import slow_except  # noqa: E402
 
 from hybridkv.engine.attention.metadata import AttentionMetadata  # noqa: E402
 from hybridkv.engine.kv_storage import PagedKVStorage  # noqa: E402
@@ -144,8 +145,8 @@ def test_forward_logits_equal_transformers(tiny, name):
     assert diff < 5e-4 and ours_err < max(1e-4, 10 * hf_err)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("name", slow_except(list(CONFIGS), list(CONFIGS).index("linear_last")))
+@pytest.mark.parametrize("seed", slow_except([0, 1], 0))  # the fast tier: linear_last, seed 0
 def test_greedy_generation_equals_transformers(tiny, name, seed):
     path, hf, ours = tiny(name)
     rng = random.Random(seed)

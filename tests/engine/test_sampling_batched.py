@@ -7,6 +7,7 @@ import math
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.support.tiers import examples
 
 from hybridkv.engine.sampling import Sampler
 from hybridkv.scheduler import SamplingParams
@@ -25,7 +26,7 @@ def test_greedy_and_filters_pick_the_argmax():
         assert got[:3] == [1, 1, 1] and got[3] in (1, 3)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(st.integers(0, 2**40), st.integers(0, 500), st.integers(0, 5), st.integers(1, 6))
 def test_a_seeded_row_does_not_depend_on_its_batch(seed, count, row, others):
     """The same (seed, token index) draws the same token wherever it sits and whatever runs beside it."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.support.tiers import examples
 
 from hybridkv.engine.sampling import FAULT, Sampler, filtered_probs
 from hybridkv.sampling_params import GREEDY_BELOW, SamplingParams
@@ -92,7 +93,7 @@ def _check(rows64: torch.Tensor, logits: torch.Tensor, ps, got) -> None:
             assert above < p.top_p + 1e-4 or above == 0.0, (row, token, above, p.top_p)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(batches(), st.booleans(), st.integers(0, 2**31))
 def test_every_accepted_value_samples_or_reports_a_fault(batch, on_device, seed):
     rows64, logits, ps, counts = batch
@@ -101,7 +102,7 @@ def test_every_accepted_value_samples_or_reports_a_fault(batch, on_device, seed)
     _check(rows64, logits, ps, got)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(batches(max_vocab=12), st.integers(0, 5))
 def test_a_fault_row_changes_no_other_row(batch, where):
     """A seeded row draws the same token beside a nan row as alone (both paths)."""

@@ -22,6 +22,7 @@ if triton_unavailable(DEVICE) is not None:
     pytest.skip(triton_unavailable(DEVICE), allow_module_level=True)
 
 from tests.support.dense_attention import dense, first_key  # noqa: E402
+from tests.support.tiers import slow_except  # noqa: E402
 
 from hybridkv.engine.attention.triton_kernels.kv_write import write_kv  # noqa: E402
 from hybridkv.engine.attention.triton_kernels.paged_attention import (  # noqa: E402
@@ -111,13 +112,13 @@ KINDS = [("full", None), ("sliding", 1), ("sliding", 7), ("sliding", 16), ("chun
          ("chunked", 16), ("chunked", 33), ("sliding", 33)]
 
 
-@pytest.mark.parametrize("kind,size", KINDS, ids=lambda x: str(x))
+@pytest.mark.parametrize("kind,size", slow_except(KINDS, 2, multi=True), ids=lambda x: str(x))
 def test_prefill_and_decode_mix(kind, size):
     # a fresh prefill, prefix hits, a chunked-prefill continuation, decodes
     run_step(1, kind, size, 4, [(0, 13), (21, 1), (37, 6), (5, 1), (40, 19)])
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", slow_except(range(12), 0))
 def test_random_steps(seed):
     rng = random.Random(1000 + seed)
     kind = rng.choice(["full", "sliding", "chunked"])
@@ -131,8 +132,8 @@ def test_random_steps(seed):
              softcap=rng.choice([None, None, 1.5]), outputs_only=rng.random() < 0.25)
 
 
-@pytest.mark.parametrize("kind,size", [("full", None), ("sliding", 5), ("chunked", 12)])
-@pytest.mark.parametrize("splits", [1, 3, 4])
+@pytest.mark.parametrize("kind,size", slow_except([("full", None), ("sliding", 5), ("chunked", 12)], 1, multi=True))
+@pytest.mark.parametrize("splits", slow_except([1, 3, 4], 1))  # the fast tier: 3 splits, sliding 5
 def test_split_decode(kind, size, splits):
     run_step(7, kind, size, 4, [(70, 1), (3, 1), (0, 1), (45, 1)], hq=6, hkv=2, sinks=splits == 3,
              softcap=2.0 if splits == 4 else None, num_splits=splits)
@@ -150,7 +151,7 @@ def test_split_decode_padded_rows_are_zero():
     assert torch.isnan(k_cache).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", slow_except([torch.bfloat16, torch.float16], 0))
 def test_half_storage(dtype):
     run_step(3, "sliding", 9, 8, [(0, 11), (30, 1), (12, 5)], dtype=dtype, d=32)
     run_step(4, "full", None, 8, [(20, 1), (9, 1)], dtype=dtype, d=32, num_splits=2)

@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, assume, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from tests.support.tiers import examples  # noqa: E402
 
 from hybridkv.engine.models import model_class_for  # noqa: E402
 
@@ -233,7 +234,7 @@ def engine_layers(config):
     return model.layer_attention_types(), model.kv_cache_specs(16, "bfloat16")
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(configs())
 def test_random_configs_planner_equals_transformers_and_engine_equals_planner(config):
     m = check_against_transformers(config)

@@ -1,6 +1,7 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.support.tiers import examples
 
 from hybridkv.errors import InvalidArgumentError
 from hybridkv.planner.sizes import format_bytes, format_tokens, parse_bytes, parse_tokens
@@ -112,7 +113,7 @@ def test_decimal_token_counts_match_the_message():
     assert parse_tokens("1.5k") == 1500 and parse_tokens("0.5m") == 500_000
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.text(max_size=12))
 def test_parsers_either_parse_in_range_or_raise_one_line(text):
     from hybridkv.planner.sizes import MAX_BYTES, MAX_TOKENS
@@ -126,7 +127,7 @@ def test_parsers_either_parse_in_range_or_raise_one_line(text):
             assert isinstance(value, int) and 0 < value <= limit
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.integers(min_value=1, max_value=10**6), st.sampled_from(["k", "K", "m", "M", ""]))
 def test_whole_token_counts_round_trip(n, suffix):
     base = {"k": 1000, "K": 1024, "m": 10**6, "M": 2**20, "": 1}[suffix]

@@ -15,6 +15,7 @@ from math import lcm, prod
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.support.tiers import examples
 
 from hybridkv.core.specs import FullAttentionSpec, KVCacheSpec, cdiv, dtype_bytes
 from hybridkv.core.state_spec import StateSpec
@@ -105,7 +106,7 @@ def theirs(kw, cls):
     return kinds, (kernel - 1, inter + 2 * groups * state), (heads, head, state), ssm
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(state_configs(), st.sampled_from([1, 4, 16, 32, 48]), st.sampled_from([None, "fp8", "float32"]),
        st.integers(1, 100_000))
 def test_random_state_configs(drawn, block_size, kv_dtype, max_model_len):

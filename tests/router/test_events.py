@@ -13,6 +13,7 @@ from collections import deque
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.support.tiers import examples, slow_except
 
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
@@ -168,7 +169,7 @@ def test_a_gap_is_filled_from_the_replay():
             assert (ev.num_gaps_filled, ev.num_resets) == (1, 0)
 
 
-@pytest.mark.parametrize("replay", [True, False], ids=["buffer-too-small", "no-replay-endpoint"])
+@pytest.mark.parametrize("replay", slow_except([True, False], 0), ids=["buffer-too-small", "no-replay-endpoint"])
 def test_an_unfillable_gap_resets(replay):
     kw = {"buffer_steps": 1} if replay else {"replay_endpoint": None}
     with _publisher(**kw) as pub:
@@ -211,7 +212,7 @@ def _restart(pub: KVEventPublisher) -> KVEventPublisher:
             time.sleep(0.05)
 
 
-@pytest.mark.parametrize("publish_after", [True, False], ids=["new-batch", "idle"])
+@pytest.mark.parametrize("publish_after", slow_except([True, False], 0), ids=["new-batch", "idle"])
 def test_a_restarted_replica_is_reset_and_reindexed(publish_after):
     pub = _publisher()
     rec = Recorder()
@@ -310,7 +311,7 @@ class ModelReplica:
 OPS = ["publish", "publish", "publish", "lose", "live", "live", "live", "probe", "restart", "blip", "timeout"]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.sampled_from(OPS), max_size=60), st.integers(1, 8))
 def test_random_streams_keep_the_guarantee(ops, buffer):
     """Whatever is lost, restarted or replayed: between resets the callbacks see one stream's

@@ -48,6 +48,7 @@ from tests.support.manager_machines import (  # noqa: E402
     HybridManagerMachine,
     MixedStripeWidthsMachine,
 )
+from tests.support.tiers import examples, slow_except  # noqa: E402
 
 DATA = Path(__file__).parents[1] / "server" / "data"
 
@@ -147,7 +148,7 @@ class SparseOnlyIndexMachine(IndexOracle, SparseOnlyMachine):
     pass
 
 
-_SETTINGS = settings(max_examples=30, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_SETTINGS = settings(max_examples=examples(30), stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestHybridIndex = HybridIndexMachine.TestCase
 TestHybridIndex.settings = _SETTINGS
 TestMixedStripeIndex = MixedStripeIndexMachine.TestCase
@@ -159,8 +160,9 @@ TestSparseOnlyIndex.settings = _SETTINGS
 
 
 # ------------------------------------------------------------------ the oracle, a real tiny engine
-@pytest.mark.parametrize("model, kinds, num_blocks", [("gemma3", {"full_attention", "sliding_window"}, 48),
-                                                      ("llama4_dense", {"full_attention", "chunked_local_attention"}, 110)])
+@pytest.mark.parametrize("model, kinds, num_blocks", slow_except([("gemma3", {"full_attention", "sliding_window"}, 48),
+                                                                  ("llama4_dense", {"full_attention", "chunked_local_attention"}, 110)],
+                                                                 0, multi=True))
 def test_tiny_engine_events_index_its_hits(tmp_path, model, kinds, num_blocks):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
@@ -224,7 +226,7 @@ group_strategy = st.tuples(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(groups=st.lists(group_strategy, min_size=1, max_size=4), data=st.data(),
        num_tokens=st.integers(4, 26), max_length=st.one_of(st.none(), st.integers(0, 26)))
 def test_score_is_the_longest_prefix_valid_for_every_group(groups, data, num_tokens, max_length):

@@ -20,6 +20,7 @@ from hybridkv.scheduler.workloads import TraceRequest
 
 from tests.support.kv_specs import chunked, full, sliding, state
 from tests.support.scheduler_driver import run
+from tests.support.tiers import examples
 
 
 def make(*specs, num_blocks=64, budget=16, max_seqs=8, max_len=128, admission="full_prompt", caching=True,
@@ -166,7 +167,7 @@ LAYOUTS = [
 ]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     layout=st.integers(0, len(LAYOUTS) - 1),
     bs=st.integers(1, 5),

@@ -15,6 +15,7 @@ from hybridkv.scheduler import FakeRunner, FinishReason, SamplingParams, Schedul
 
 from tests.support.kv_specs import chunked, full, sliding
 from tests.support.scheduler_driver import run
+from tests.support.tiers import examples
 
 
 def make(*specs, num_blocks=64, budget=16, max_seqs=8, max_len=128):
@@ -137,7 +138,7 @@ def test_hybrid_request_longer_than_a_full_pool_would_allow():
     assert done["a"].num_output_tokens == 40
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     prompts=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(1, 12)), min_size=1, max_size=12),
     budget=st.integers(4, 40),

@@ -3,6 +3,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.support.tiers import examples
 
 from hybridkv.errors import InvalidArgumentError, TraceFormatError
 from hybridkv.scheduler.fake_runner import fake_token
@@ -89,7 +90,7 @@ def test_chat_turns_extend_the_previous_turn_and_its_fake_output():
 
 
 # ---------------------------------------------------------------- bad input, bounds, termination
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     name=st.sampled_from(["long-doc", "chat", "sharegpt"]),
     max_model_len=st.one_of(st.integers(2, 40), st.integers(41, 5000), st.sampled_from([231, 232, 233, 2048, 131072])),
@@ -160,7 +161,7 @@ _VALUES = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.dictionaries(st.sampled_from(sorted(
     ["id", "arrival", "prompt", "prompt_len", "prefix_id", "prefix_len", "output_len", "x"])), _VALUES, max_size=5),
     min_size=1, max_size=3))

@@ -20,6 +20,7 @@ zmq = pytest.importorskip("zmq")
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from tests.support.tiers import examples  # noqa: E402
 
 from hybridkv.core import events as core  # noqa: E402
 from hybridkv.errors import InvalidConfigError  # noqa: E402
@@ -108,7 +109,7 @@ batches = st.builds(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(batches)
 def test_wire_round_trip(batch):
     assert decode_batch(encode_batch(batch)) == batch
@@ -123,7 +124,7 @@ core_stored = st.integers(1, 4).flatmap(lambda n: st.builds(
 core_removed = st.builds(core.BlockRemoved, core_hash, st.integers(1, 99), st.integers(0, 5), st.just("sliding_window"))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(core_stored | core_removed | st.just(core.AllBlocksCleared()), max_size=6))
 def test_core_events_survive_the_wire(events):
     got = decode_batch(encode_batch(to_batch(events, ts=1.0))).events

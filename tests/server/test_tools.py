@@ -25,6 +25,7 @@ from hybridkv.server import ServerConfig  # noqa: E402
 from hybridkv.server.tools import parse_hermes, HermesParser  # noqa: E402
 from hybridkv.tokenizer.prompts import encode_prompt  # noqa: E402
 
+from tests.support.tiers import examples, scaled  # noqa: E402
 from tests.support.tiny_server import engine_config, run_app  # noqa: E402
 
 CHAT = "/v1/chat/completions"
@@ -117,7 +118,7 @@ def test_named_and_required_calls_validate_and_stream_the_same(json_llm):
              "tool_choice": {"type": "function", "function": {"name": "add"}}}
     close = json_llm.tokenizer.encode("]", add_special_tokens=False)[-1]  # a random model rarely ends the array
     required = {**named, "tool_choice": "required", "max_tokens": 200, "logit_bias": {str(close): 100}}
-    seeded = [{**required, "temperature": 1.0, "seed": s} for s in range(3)]
+    seeded = [{**required, "temperature": 1.0, "seed": s} for s in range(scaled(3, 1))]
     responses = _post_all(json_llm, [named, required, *seeded])
     for r in responses:
         assert r.status_code == 200, r.text
@@ -227,7 +228,7 @@ _TAIL = st.sampled_from(["", "<", "<tool", "<tool_call", '<tool_call>{"name": "f
 _BAD = st.sampled_from(["{", '{"name": 3}', '{"arguments": {}}', "[1]", '{"name": "f", "arguments": 5}', "nope", ""])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.tuples(_TEXT, st.one_of(_CALLS, _BAD)), max_size=3), _TEXT, _TAIL, st.lists(st.integers(1, 9), max_size=8))
 def test_hermes_parser_recovers_what_was_put_in(parts, tail, partial, cuts):
     text, content, calls = "", "", []

@@ -9,11 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.tiers import examples
 from tests.support.tiny_vocab import bpe_metadata
 from hybridkv.tokenizer import ByteTokenizer, tokenizer_from_gguf
 from hybridkv.tokenizer.gguf_vocab import _merges_by_position, generate_merges, tokenizer_parts_from_gguf
 
-SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 #: emoji, CJK, combining marks, whitespace runs, newlines, special-token lookalikes
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<bos>", "<start_of_turn>", "[multimodal]", "<0x41>", "<unused0>", "<|im_"]
@@ -62,7 +63,7 @@ hf_base = pytest.importorskip("transformers.tokenization_utils_base")
 vocabularies = st.lists(st.text(alphabet="ab▁c", min_size=1, max_size=4), min_size=1, max_size=40, unique=True)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(vocabularies, st.lists(st.sampled_from([-3.0, -1.0, 0.0, 2.5]), min_size=40, max_size=40))
 def test_generate_merges_equals_transformers(tokens, scores):
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -70,7 +71,7 @@ def test_generate_merges_equals_transformers(tokens, scores):
     assert generate_merges(vocab, token_scores) == hf_base.generate_merges(vocab, token_scores)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(vocabularies)
 def test_merges_by_position_equals_transformers(tokens):
     vocab = {t: i for i, t in enumerate(tokens)}

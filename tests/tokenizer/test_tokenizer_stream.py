@@ -10,10 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.texts import texts
+from tests.support.tiers import examples, slow_except
 from hybridkv.errors import InvalidArgumentError
 from hybridkv.tokenizer import ByteTokenizer, IncrementalDetokenizer, StopStringMatcher
 
-SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def stream(detok: IncrementalDetokenizer, ids: list[int], cuts: list[int]) -> list[str]:
@@ -141,8 +142,8 @@ def _ids_from(tok, pieces) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("name", ["bpe_tok", "spm_tok", "byte"])
-@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("name", slow_except(["bpe_tok", "spm_tok", "byte"], 0))
+@pytest.mark.parametrize("skip", slow_except([True, False], 1))  # the fast tier: bpe_tok, skip False
 def test_deltas_equal_full_decode(request, name, skip):
     tok = ByteTokenizer(300) if name == "byte" else request.getfixturevalue(name)
 
@@ -192,7 +193,7 @@ def reference_stop(full: str, stops: list[str]) -> tuple[str, bool]:
     return full, False
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.text(alphabet="ab\n</>", max_size=40),
     st.lists(st.text(alphabet="ab\n</>", min_size=1, max_size=5), min_size=1, max_size=4),
@@ -213,7 +214,7 @@ def test_stop_matcher_equals_brute_force(full, stops, cuts):
     assert ("".join(out), stopped) == (expected, expect_stop)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.text(max_size=30), st.lists(st.text(min_size=1, max_size=3), min_size=1, max_size=3))
 def test_stop_matcher_unicode(full, stops):
     m = StopStringMatcher(stops)
