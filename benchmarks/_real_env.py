@@ -267,7 +267,8 @@ class LlamaCppBatched:
     """llama.cpp's own continuous batching, as ``llama-server --parallel N`` runs it, through
     the C API that ``llama_cpp`` binds (its Python server serves one request at a time):
     one context with ``n_seq_max`` = ``n_seq`` (a KV sequence per request, not unified,
-    ``max_len`` tokens each), ``n_batch`` tokens per ``llama_decode`` (2048, as our engine's
+    ``max_len`` tokens each; sliding layers' caches of their window, ``swa_full`` off as the CLI and
+    server run), ``n_batch`` tokens per ``llama_decode`` (2048, as our engine's
     token budget) in micro-batches of ``n_ubatch`` (512, the server's default): every step
     carries one decode token per generating request, then prompt chunks fill the rest of
     the budget. Greedy by ``numpy.argmax`` over the row's logits (cheaper than llama.cpp's
@@ -275,7 +276,8 @@ class LlamaCppBatched:
     With ``n_seq`` 1 and one request per :meth:`run` it is llama.cpp single-stream, as
     ``llama-cli`` decodes (same batch sizes), without the bindings' per-token Python."""
 
-    def __init__(self, llama_cpp: Any, path: str, n_seq: int, max_len: int, threads: int, n_batch: int = 2048) -> None:
+    def __init__(self, llama_cpp: Any, path: str, n_seq: int, max_len: int, threads: int, n_batch: int = 2048,
+                 swa_full: bool = False) -> None:
         import numpy as np
 
         self.lc, self.np, self.n_batch = llama_cpp, np, n_batch
@@ -295,6 +297,10 @@ class LlamaCppBatched:
         cparams.n_seq_max = n_seq
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.kv_unified = False
+        # as llama-cli and llama-server run: a sliding layer's cache holds its window, not the whole context
+        # (the C API's own default keeps the full size; ``swa_full`` asks for that)
+        if hasattr(cparams, "swa_full"):
+            cparams.swa_full = swa_full
         self.ctx = lc.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise SystemExit("bench_real: llama.cpp could not create its context")

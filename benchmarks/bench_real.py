@@ -332,7 +332,7 @@ def build_lanes(model: str, path: str, args, size: dict, wl: dict, llama_cpp) ->
         longest = max(len(p) + m for p, m in zip(wl["concurrent"].prompts, wl["concurrent"].max_tokens))
         shape = {"single": (1, single), "concurrent": (len(wl["concurrent"].prompts), longest)}
         for m in args.modes:
-            lanes[m][LLAMA] = LlamaCppBatched(llama_cpp, path, *shape[m], args.threads)
+            lanes[m][LLAMA] = LlamaCppBatched(llama_cpp, path, *shape[m], args.threads, swa_full=args.llama_swa_full)
     if "hf" in args.lanes:
         hf = load_hf(path)
         for m in args.modes:
@@ -402,6 +402,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     ap.add_argument("--lanes", default="ours,llama", help="comma list of ours, llama, hf (default ours,llama)")
     ap.add_argument("--rounds", type=int, default=None, help="default 3 (--quick 1)")
     ap.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads (default 2)")
+    ap.add_argument("--llama-swa-full", action="store_true",
+                    help="llama.cpp keeps full-size caches for sliding layers (its C API's default; off by default "
+                         "here, as llama-cli and llama-server run)")
     ap.add_argument("--max-prompt", type=int, default=None, help="concurrent: longest prompt (1500; --quick 200)")
     ap.add_argument("--max-output", type=int, default=None, help="concurrent: most new tokens (default 128; --quick 8)")
     ap.add_argument("--single-requests", type=int, default=None, help="single-stream requests (default 4; --quick 2)")
@@ -434,6 +437,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     return args, size
 
 
+def cpu_description() -> dict[str, str]:
+    """The CPU every figure ran on: its model name, ISA level and the quantized path's compute dtype."""
+    from hybridkv.engine.cpu_ops.isa import cpu_isa, quantized_compute_dtype
+
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"model": model, "isa": cpu_isa().level, "quantized_compute": quantized_compute_dtype()}
+
+
 def main(argv: list[str] | None = None) -> None:
     args, size = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -443,9 +459,13 @@ def main(argv: list[str] | None = None) -> None:
         if llama_cpp is None:
             print(why)
             args.lanes.remove("llama")
-    print(f"CPU, {args.threads} threads (torch and llama.cpp), torch {torch.__version__}, transformers {tf.__version__}"
-          + (f", llama-cpp-python {llama_cpp.__version__}" if llama_cpp else "") + "; greedy, EOS ignored")
-    report = {"meta": {"threads": args.threads, "torch": torch.__version__, "transformers": tf.__version__,
+    cpu = cpu_description()
+    print(f"CPU {cpu['model']} (ISA level {cpu['isa']}, quantized compute {cpu['quantized_compute']}), "
+          f"{args.threads} threads (torch and llama.cpp), torch {torch.__version__}, transformers {tf.__version__}"
+          + (f", llama-cpp-python {llama_cpp.__version__}" if llama_cpp else "")
+          + f"; llama.cpp swa_full {'on' if args.llama_swa_full else 'off'}; greedy, EOS ignored")
+    report = {"meta": {"cpu": cpu, "llama_swa_full": args.llama_swa_full,
+                       "threads": args.threads, "torch": torch.__version__, "transformers": tf.__version__,
                        "llama_cpp_python": getattr(llama_cpp, "__version__", None), "size": size,
                        "lanes": args.lanes, "precisions": args.precisions, "modes": args.modes,
                        "targets": {f"{m} {k}": v for (m, k), v in TARGETS.items()}},

@@ -83,3 +83,19 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
     assert "loading x" in tty.getvalue()
     monkeypatch.setenv("HYBRIDKV_PROGRESS", "0")
     assert progress(items, "loading") is items
+
+
+def test_the_compute_dtype_has_its_own_final_form(gguf_path, private_tensor_cache, monkeypatch):
+    """A CPU with native bf16 computes a quantized model in bf16, one without in fp32 (the bf16
+    rule): a cache folder shared by both keeps one final form of each, named by it."""
+    from hybridkv.engine.cpu_ops import isa
+
+    forms = {}
+    for level, native in (("avx512_bf16", True), ("avx2", False)):
+        monkeypatch.setattr(isa, "cpu_isa", lambda level=level, native=native: isa.CpuIsa(level, native))
+        for _ in range(2):  # cold, then warm from its own file
+            model = load_model(gguf_path, quantization="int8")
+            forms[level] = model.embed_quant.scales.dtype
+    assert forms == {"avx512_bf16": torch.bfloat16, "avx2": torch.float32}
+    names = sorted(p.name for p in private_tensor_cache.glob("*-final-*.safetensors"))
+    assert len(names) == 2 and names[0].endswith("-int8-bfloat16.safetensors") and names[1].endswith("-int8-float32.safetensors")

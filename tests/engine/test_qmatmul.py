@@ -188,15 +188,32 @@ def test_a_forked_child_starts_its_own_workers():
     assert _run(code) == "child 0 True"
 
 
-def test_the_plain_c_build_computes_the_same(tmp_path):
-    """HYBRIDKV_CPU_OPS=generic: no intrinsics (what a CPU without AVX-512 runs), same results."""
+def _builds():
+    """(environment, the ISA level it must give) for every build this CPU runs: the plain-C one
+    (HYBRIDKV_CPU_OPS=generic), and each intrinsics level up to the CPU's own."""
+    from hybridkv.engine.cpu_ops.isa import LEVELS, cpu_isa
+
+    here = LEVELS.index(cpu_isa().level)
+    out = [pytest.param({"HYBRIDKV_CPU_OPS": "generic"}, None, id="generic")]
+    for level in ("avx512", "avx2"):
+        marks = [] if LEVELS.index(level) >= here else [pytest.mark.skip(reason=f"this CPU has no {level}")]
+        out.append(pytest.param({"HYBRIDKV_CPU_ISA": level}, level, id=level, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize(("env", "level"), _builds())
+def test_each_build_this_cpu_runs_computes_the_same(tmp_path, env, level):
+    """The plain-C build (no intrinsics), the AVX2 + FMA build (-march=x86-64-v3, on any x86 CPU
+    with AVX2, AVX-512 ones included) and the AVX-512 one: the same fp64 reference on random shapes."""
     code = (
         "import torch\n"
         "from hybridkv.engine import cpu_ops\n"
+        "from hybridkv.engine.cpu_ops.isa import cpu_isa\n"
+        "print(cpu_isa().level)\n"
         "from hybridkv.engine.layers.quantized_linear import Int8Weight, Int4Weight\n"
         "assert cpu_ops.load() is not None, cpu_ops.unavailable()\n"
         "g = torch.Generator().manual_seed(0); worst = 0.0\n"
-        "for n, k, m in ((7, 45, 3), (33, 64, 9), (5, 128, 1)):\n"
+        "for n, k, m in ((7, 45, 3), (33, 64, 9), (5, 128, 1), (70, 100, 2), (4, 8, 5), (9, 17, 4), (12, 256, 33), (6, 7, 1)):\n"
         "    x = torch.randn(m, k, generator=g); w = torch.randn(n, k, generator=g)\n"
         "    q = Int8Weight(w, torch.float32)\n"
         "    ref = x.double() @ (q.q.double() * q.scales32.double()[:, None]).t()\n"
@@ -210,8 +227,9 @@ def test_the_plain_c_build_computes_the_same(tmp_path):
         "            worst = max(worst, ((got - ref).abs().max() / ref.abs().max()).item())\n"
         "print('worst', worst < 1e-5, worst)\n"
     )
-    out = _run(code, HYBRIDKV_CPU_OPS="generic", HYBRIDKV_CACHE_DIR=str(tmp_path / "cache"))
-    assert out.startswith("worst True"), out
+    out = _run(code, HYBRIDKV_CACHE_DIR=str(tmp_path / "cache"), **env).splitlines()
+    assert level is None or out[0] == level, out
+    assert out[-1].startswith("worst True"), out
 
 
 def test_hold_cores_hands_the_threads_over_and_back():

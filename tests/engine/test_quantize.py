@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.support.tiers import examples, slow_except
 
+from hybridkv.engine.loading.quantize_weights import compute_dtype_here
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.models import load_model
 from hybridkv.engine.layers.quantized_linear import Int4Weight, Int8Weight, int4_group_size, quantize_weight
@@ -115,8 +116,8 @@ def test_quantized_model_equals_the_exact_path_on_dequantized_weights(arch, mode
     assert rel < 1e-4, rel
     with pytest.raises(InvalidConfigError, match="already quantized"):
         quant.quantize_weights("int8")
-    fast = load_model(path, quantization=mode)  # the default: kernels fed bf16 inputs
-    assert fast.embed_quant.rows(torch.tensor([1])).dtype == torch.bfloat16
+    fast = load_model(path, quantization=mode)  # the default: the CPU's compute dtype (bf16 where native)
+    assert fast.embed_quant.rows(torch.tensor([1])).dtype == compute_dtype_here()
     engine = LLMEngine(fast, EngineConfig(block_size=4, num_blocks=64, max_model_len=64, quantization=mode))
     engine.add_request(prompt)
     engine.step()

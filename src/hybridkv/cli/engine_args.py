@@ -46,7 +46,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, max_num_seqs_default: str)
                         f"--quantization model on a CPU, else the reference (default {D['attention_backend']})")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=D["quantization"],
                    help="weight-only quantization on a CPU: int8 per output channel, int4 in groups of 32 "
-                        "(embeddings and output projection included; default: the exact weights)")
+                        "(embeddings and output projection included; default: the exact weights); computed in "
+                        "bf16 where the CPU has native bf16 (avx512_bf16), else in fp32 (HYBRIDKV_CPU_ISA=avx2 "
+                        "or avx512 lowers the CPU level the C kernels are built for)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: decode steps run eagerly (default: graphs on CUDA with triton)")
 

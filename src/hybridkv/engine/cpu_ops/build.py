@@ -21,8 +21,9 @@ The contract:
   (``*.tmp-*``) over a day old, never the module it just built; it ignores what it cannot
   remove. A module pruned between the look-up and the import is built again, once.
 * **``HYBRIDKV_CPU_OPS``.** ``off`` (or ``0``, ``false``, ``no``): nothing is built or loaded.
-  ``generic``: the kernels are built without intrinsics (plain loops, what a CPU without
-  AVX-512 runs), under their own key. Unset or anything else: built for the CPU it runs on.
+  ``generic``: the kernels are built without intrinsics (plain loops), under their own key.
+  The target is the CPU's ISA level (:mod:`~hybridkv.engine.cpu_ops.isa`: AVX-512, AVX2 + FMA
+  or plain; ``HYBRIDKV_CPU_ISA`` lowers it), each level its own module. Unset or anything else: built for the CPU it runs on.
   ``CC`` names the compiler (else ``gcc``, else ``cc`` on ``PATH``).
 * **Where it cannot be built** (turned off, no compiler, no Python headers, a failed
   compile): :func:`load` returns None, :func:`unavailable` says why, the reason is logged
@@ -49,6 +50,8 @@ import threading
 import time
 from pathlib import Path
 from types import ModuleType
+
+from hybridkv.engine.cpu_ops.isa import cpu_isa
 
 __all__ = ["FLAGS", "HERE", "MODULE", "PRUNE_AFTER_DAYS", "SOURCES", "load", "unavailable"]
 
@@ -81,9 +84,16 @@ def _cpu_flags() -> str:
 
 
 def _flags() -> tuple[str, ...]:
-    """:data:`FLAGS`, and ``-DHYBRIDKV_GENERIC`` (plain loops, no intrinsics) when
-    ``HYBRIDKV_CPU_OPS=generic``."""
-    return FLAGS + (("-DHYBRIDKV_GENERIC",) if _mode() == "generic" else ())
+    """:data:`FLAGS` for this CPU's ISA level (:func:`~hybridkv.engine.cpu_ops.isa.cpu_isa`): its
+    ``-march`` (``x86-64-v3`` for ``avx2``, tuned for the machine), and ``-DHYBRIDKV_GENERIC``
+    (plain loops, no intrinsics) at level ``plain`` or when ``HYBRIDKV_CPU_OPS=generic``."""
+    isa = cpu_isa()
+    flags = tuple(f for f in FLAGS if not f.startswith("-march=")) + (f"-march={isa.march}",)
+    if isa.march != "native":
+        flags += ("-mtune=native",)
+    if _mode() == "generic" or not isa.intrinsics:
+        flags += ("-DHYBRIDKV_GENERIC",)
+    return flags
 
 
 def _mode() -> str:

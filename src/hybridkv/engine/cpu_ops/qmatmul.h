@@ -3,8 +3,13 @@
 #define HYBRIDKV_QMATMUL_H
 #include "cpu_ops.h"
 
+/* the hand-written vector code compiled in: AVX-512 where the target has it, else AVX2 + FMA,
+ * else plain loops (HYBRIDKV_GENERIC: plain loops whatever the target; isa.py picks the target) */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(HYBRIDKV_GENERIC)
 #define QM_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(HYBRIDKV_GENERIC)
+#define QM_AVX2 1
 #include <immintrin.h>
 #endif
 

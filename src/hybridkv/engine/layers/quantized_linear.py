@@ -13,9 +13,10 @@ A decode step on a CPU reads every weight once, so its speed is the weights' byt
 The matmuls of up to :data:`KERNEL_ROWS` rows (decode) run in the C kernels
 (:func:`~hybridkv.engine.cpu_ops.q8_linear`, :func:`~hybridkv.engine.cpu_ops.q4_linear`): fp32
 rows in, weights decoded in registers, split over the kernels' threads; with the *compute
-dtype* bf16 (the default) rows of 8 and more are rounded to bf16 and multiplied with bf16 dot
-products (twice the products an instruction), fewer stay fp32 (their time is the weight's
-bytes either way). Where the kernels cannot be built, torch's own kernels
+dtype* bf16 (the default where the CPU has native bf16; fp32 elsewhere, the bf16 rule of
+:mod:`~hybridkv.engine.cpu_ops.isa`) rows of 8 and more are rounded to bf16 and multiplied
+with bf16 dot products (twice the products an instruction), fewer stay fp32 (their time is
+the weight's bytes either way). Where the kernels cannot be built, torch's own kernels
 (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``, as gpt-fast and torchao use them)
 take the rows in the compute dtype (their fp32 paths are far slower than their bf16 ones).
 Inputs of more than :data:`KERNEL_ROWS` rows (a prefill chunk) multiply the weight dequantized

@@ -3,7 +3,7 @@
 A GGUF model loads by dequantizing its tensors; in fp32 those are cached as they are
 (:mod:`~hybridkv.engine.loading.weight_cache`). Any other form (``dtype`` bf16 / fp16, or
 weight-only quantization) is cached once it is built, instead of the fp32 tensors:
-``<cache>/gguf-<sha256>-final-v<FINAL_VERSION>-<dtype>-<quantization>.safetensors``, the
+``<cache>/gguf-<sha256>-final-v<FINAL_VERSION>-<dtype>-<quantization>[-<compute dtype>].safetensors``, the
 model's own tensors (``p.<state_dict name>``; weights held quantized are left out) and its
 quantized weights (``q.<module>.<attribute>.<field>``, the embedding's as
 ``q.embed_quant.<field>``), with the quantization and int4 group in the file's metadata.
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from hybridkv.engine.layers.quantized_linear import Int4Weight, Int8Weight
-from hybridkv.engine.loading.quantize_weights import adopt_quantized_embedding, quant_slots
+from hybridkv.engine.loading.quantize_weights import adopt_quantized_embedding, compute_dtype_here, quant_slots
 
 __all__ = ["FINAL_VERSION", "final_cache_for", "final_cache_path", "save_final", "load_final"]
 
@@ -32,9 +32,15 @@ FINAL_VERSION = 3
 _KINDS = {"int8": Int8Weight, "int4": Int4Weight}
 
 
-def final_cache_path(folder: Path, sha256: str, dtype: torch.dtype, quantization: str | None) -> Path:
+def final_cache_path(folder: Path, sha256: str, dtype: torch.dtype, quantization: str | None,
+                     compute_dtype: torch.dtype | None = None) -> Path:
+    """The file of a form: a quantized one is named with its compute dtype too (this CPU's rule by
+    default), so a cache folder shared by CPUs with and without native bf16 keeps both."""
     name = str(dtype).replace("torch.", "")
-    return folder / f"gguf-{sha256}-final-v{FINAL_VERSION}-{name}-{quantization or 'none'}.safetensors"
+    quant = quantization or "none"
+    if quantization is not None:
+        quant += "-" + str(compute_dtype or compute_dtype_here()).replace("torch.", "")
+    return folder / f"gguf-{sha256}-final-v{FINAL_VERSION}-{name}-{quant}.safetensors"
 
 
 def final_cache_for(source, dtype: torch.dtype, quantization: str | None) -> Path | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridkv.engine.cpu_ops.isa import quantized_compute_dtype
 from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.layers.quantized_linear import check_quantization, int4_group_size, quantize_weight
 from hybridkv.engine.loading.weights import progress
@@ -32,13 +33,22 @@ def quant_slots(model) -> list[tuple[str, torch.nn.Module, str, torch.Tensor]]:
     ]
 
 
-def quantize_model(model, mode: str, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+def compute_dtype_here() -> torch.dtype:
+    """The compute dtype of quantized weights on this CPU: bf16 where it has native bf16
+    arithmetic, else fp32 (:func:`~hybridkv.engine.cpu_ops.isa.quantized_compute_dtype`)."""
+    return torch.bfloat16 if quantized_compute_dtype() == "bfloat16" else torch.float32
+
+
+def quantize_model(model, mode: str, compute_dtype: torch.dtype | None = None) -> None:
     """Quantize ``model``'s weights as ``mode``; the kernels take inputs in ``compute_dtype``
-    (bf16: see :mod:`~hybridkv.engine.layers.quantized_linear` for why). int4 groups of 32 (the input
+    (None: the CPU's rule, :func:`compute_dtype_here`; see
+    :mod:`~hybridkv.engine.layers.quantized_linear` for what it changes). int4 groups of 32 (the input
     sizes must be multiples of 32, else an InvalidConfigError before anything changes).
     CPU only (the C kernels, or torch's where they cannot be built)."""
     embed = model.model.embed_tokens.weight
     check_quantization(mode, embed.device)
+    if compute_dtype is None:
+        compute_dtype = compute_dtype_here()
     if model.quantization is not None:
         raise InvalidConfigError(f"the weights are already quantized ({model.quantization})")
     slots = quant_slots(model)

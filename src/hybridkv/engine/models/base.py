@@ -244,7 +244,7 @@ class CausalLM(nn.Module):
             head.weight = weight
         head.packed = PackedWeight(weight, onednn=False)  # its transposed copy is the storage itself
 
-    def quantize_weights(self, mode: str, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+    def quantize_weights(self, mode: str, compute_dtype: torch.dtype | None = None) -> None:
         """Weight-only quantization (int8 / int4) of every matrix the forward multiplies by and of
         the embedding; the full-precision copies are freed: see
         :func:`~hybridkv.engine.loading.quantize_weights.quantize_model`."""
