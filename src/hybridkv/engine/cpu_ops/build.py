@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from hybridkv.engine.cpu_ops.isa import cpu_isa
+from hybridkv.engine.cpu_ops.isa import cpu_flags_line, cpu_isa
 
 __all__ = ["FLAGS", "HERE", "MODULE", "PRUNE_AFTER_DAYS", "SOURCES", "load", "unavailable"]
 
@@ -74,13 +74,12 @@ def _compiler() -> str | None:
 def _cpu_flags() -> str:
     """What ``-march=native`` compiles for: the CPU's feature flags (a home folder shared by
     machines of other CPUs must not share the module)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
+    line = cpu_flags_line()
+    if line is None:
         import platform
 
         return platform.machine() + platform.processor()
+    return line
 
 
 def _flags() -> tuple[str, ...]:

@@ -34,7 +34,7 @@ import platform
 from dataclasses import dataclass
 from typing import Iterable
 
-__all__ = ["LEVELS", "CpuIsa", "cpu_flags", "cpu_isa", "isa_from_flags", "quantized_compute_dtype"]
+__all__ = ["LEVELS", "CpuIsa", "cpu_flags", "cpu_flags_line", "cpu_isa", "isa_from_flags", "quantized_compute_dtype"]
 
 #: ISA levels, highest first
 LEVELS = ("avx512_bf16", "avx512", "avx2", "plain")
@@ -95,14 +95,19 @@ def isa_from_flags(flags: Iterable[str], machine: str = "x86_64", cap: str | Non
     return CpuIsa(level, native_bf16)
 
 
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (``/proc/cpuinfo``'s first ``flags`` line; empty where there is none)."""
+def cpu_flags_line() -> str | None:
+    """``/proc/cpuinfo``'s first ``flags`` (x86) or ``Features`` (Arm) line as it is ("" where it
+    has none); None where there is no ``/proc/cpuinfo``."""
     try:
         with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
-        line = ""
-    return frozenset(line.partition(":")[2].split())
+        return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (:func:`cpu_flags_line`'s names; empty where there are none)."""
+    return frozenset((cpu_flags_line() or "").partition(":")[2].split())
 
 
 @functools.cache

@@ -143,20 +143,6 @@ static inline __attribute__((always_inline)) void q4_tile(const qjob *j, const f
         }                                                                             \
     }
 
-static void q8_part(void *ctx, long p, long P) {
-    const qjob *j = ctx;
-    long n0, n1;
-    split_rows(j->N, p, P, &n0, &n1);
-    TILES(q8_tile, j)
-}
-
-static void q4_part(void *ctx, long p, long P) {
-    const qjob *j = ctx;
-    const float *xp = j->xp;
-    long n0, n1;
-    split_rows(j->N, p, P, &n0, &n1);
-    TILES(q4_tile, j, xp)
-}
 #elif defined(QM_AVX2)
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -235,8 +221,9 @@ static inline __attribute__((always_inline)) void q4_tile(const qjob *j, const f
         for (int b = 0; b < MB; b++) j->y[(m + b) * j->sy + n + a] = hsum8(acc[a][b]);
 }
 
-/* tiles of 4 weight rows by up to 2 input rows (what 16 ymm registers hold) */
-#define TILES2(TILE, ...)                                                             \
+/* tiles of 4 weight rows by up to 2 input rows (what 16 ymm registers hold); the AVX-512 TILES
+ * above takes up to 4 input rows */
+#define TILES(TILE, ...)                                                             \
     for (long n = n0; n < n1; n += 4) {                                               \
         long nb = n1 - n < 4 ? n1 - n : 4;                                            \
         for (long m = 0; m < j->M; m += 2) {                                          \
@@ -251,11 +238,15 @@ static inline __attribute__((always_inline)) void q4_tile(const qjob *j, const f
         }                                                                             \
     }
 
+#endif
+
+#if defined(QM_AVX512) || defined(QM_AVX2)
+/* the vector builds: each weight tile (TILES, per ISA above) read once for all rows of x */
 static void q8_part(void *ctx, long p, long P) {
     const qjob *j = ctx;
     long n0, n1;
     split_rows(j->N, p, P, &n0, &n1);
-    TILES2(q8_tile, j)
+    TILES(q8_tile, j)
 }
 
 static void q4_part(void *ctx, long p, long P) {
@@ -263,7 +254,7 @@ static void q4_part(void *ctx, long p, long P) {
     const float *xp = j->xp;
     long n0, n1;
     split_rows(j->N, p, P, &n0, &n1);
-    TILES2(q4_tile, j, xp)
+    TILES(q4_tile, j, xp)
 }
 #else /* plain loops */
 static void q8_part(void *ctx, long p, long P) {
