@@ -282,7 +282,7 @@ def profile_ours(lane: OursLane, w: Workload, top: int = 18) -> None:
     import pstats
 
     from hybridkv.engine import kv_storage, model_runner, sampling
-    from hybridkv.engine.attention import reference as attention
+    from hybridkv.engine.attention import cpu_stack, layer, metadata
     from hybridkv.engine.models import base
     from hybridkv.engine.layers import linear, norms, quantized_linear as quantize
     from hybridkv.scheduler.scheduler import Scheduler
@@ -291,15 +291,17 @@ def profile_ours(lane: OursLane, w: Workload, top: int = 18) -> None:
         "scheduler: schedule()": Scheduler.schedule,
         "scheduler: update_from_output()": Scheduler.update_from_output,
         "runner.execute (model + sampling)": model_runner.PagedModelRunner.execute,
-        "  AttentionMetadata.build": attention.AttentionMetadata.build,
+        "  AttentionMetadata.build": metadata.AttentionMetadata.build,
+        "  fused decode step (C, all layers)": cpu_stack.FusedDecode.run,
         "  model forward (all layers)": base.CausalLM.forward,
         "    linears (q/k/v/o, MLP GEMMs)": linear.linear,
         "      int8 weights (inside linears)": quantize.Int8Weight.linear,
         "      int4 weights (inside linears)": quantize.Int4Weight.linear,
-        "    paged_attention (write+gather+attend)": attention.paged_attention,
+        "    paged_attention (write+gather+attend)": layer.paged_attention,
         "      KV write": kv_storage.PagedKVStorage.write,
         "      KV gather": kv_storage.PagedKVStorage.gather,
-        "    RMSNorm": norms.RMSNorm.forward,
+        "    RMSNorm (C rows)": norms.RMSNorm.forward_cpu_kernels,
+        "    RMSNorm (torch)": norms.RMSNorm.forward_native,
         "  compute_logits (output projection)": type(lane.model).compute_logits,
         "  sampler": sampling.Sampler.sample_rows,
     }
@@ -360,7 +362,7 @@ def bench_model(model: str, args, size: dict, llama_cpp) -> dict:
     warm_up(lanes, wl)
     print(f"\n== {model} ({Path(path).name}): loaded and warmed up in {time.perf_counter() - t:.0f} s", flush=True)
     if args.profile:
-        return profile_ours(next(iter(lanes[args.modes[0]].values())), wl["concurrent"])
+        return profile_ours(next(iter(lanes[args.modes[0]].values())), wl[args.modes[0]])
     names = list(next(iter(lanes.values())))
     rounds: dict[str, dict[str, list[dict]]] = {m: {x: [] for x in names} for m in args.modes}
     for r in range(size["rounds"]):

@@ -55,7 +55,7 @@ def test_int8_matches_fp64_on_random_shapes(seed, threads):
     m = [1, 2, 3, 4, 5, 8, 13, 32][(seed // 2) % 8]
     w = Int8Weight(torch.randn(n, k, generator=g), torch.float32)
     x = _rows(g, m, k)
-    want = x.double() @ (w.q.double() * w.scales32.double().unsqueeze(1)).t()
+    want = cpu_ops.rounded_rows(x) @ (w.q.double() * w.scales32.double().unsqueeze(1)).t()
     _check(cpu_ops.q8_linear(x, w.q, w.scales32), want, 1e-5)
     bf16 = cpu_ops.q8_linear(x, w.q, w.scales32, bf16=True)
     if m >= BF16_ROWS:  # the inputs rounded to bf16; the codes are exact in it
@@ -80,7 +80,7 @@ def test_int4_matches_fp64_on_random_shapes(seed, threads):
     if dtype == torch.bfloat16 and m >= BF16_ROWS:  # inputs and weights rounded to bf16
         _check(got, _bf16(x) @ _bf16(deq).t(), 1e-5)
     else:
-        _check(got, x.double() @ deq.t(), 1e-5)
+        _check(got, cpu_ops.rounded_rows(x, group) @ deq.t(), 1e-5)
 
 
 def test_zero_rows_and_every_code():
@@ -204,31 +204,34 @@ def _builds():
 @pytest.mark.parametrize(("env", "level"), _builds())
 def test_each_build_this_cpu_runs_computes_the_same(tmp_path, env, level):
     """The plain-C build (no intrinsics), the AVX2 + FMA build (-march=x86-64-v3, on any x86 CPU
-    with AVX2, AVX-512 ones included) and the AVX-512 one: the same fp64 reference on random shapes."""
+    with AVX2, AVX-512 ones included) and the AVX-512 one: the same fp64 reference on random
+    shapes, of the rows as each build multiplies them (the AVX2 one rounds them to int16 in
+    blocks of 256 columns, the others keep fp32)."""
     code = (
         "import torch\n"
         "from hybridkv.engine import cpu_ops\n"
         "from hybridkv.engine.cpu_ops.isa import cpu_isa\n"
-        "print(cpu_isa().level)\n"
+        "print(cpu_isa().level, cpu_ops.rounding_block())\n"
         "from hybridkv.engine.layers.quantized_linear import Int8Weight, Int4Weight\n"
         "assert cpu_ops.load() is not None, cpu_ops.unavailable()\n"
         "g = torch.Generator().manual_seed(0); worst = 0.0\n"
         "for n, k, m in ((7, 45, 3), (33, 64, 9), (5, 128, 1), (70, 100, 2), (4, 8, 5), (9, 17, 4), (12, 256, 33), (6, 7, 1)):\n"
         "    x = torch.randn(m, k, generator=g); w = torch.randn(n, k, generator=g)\n"
         "    q = Int8Weight(w, torch.float32)\n"
-        "    ref = x.double() @ (q.q.double() * q.scales32.double()[:, None]).t()\n"
+        "    ref = cpu_ops.rounded_rows(x) @ (q.q.double() * q.scales32.double()[:, None]).t()\n"
         "    worst = max(worst, ((cpu_ops.q8_linear(x, q.q, q.scales32).double() - ref).abs().max() / ref.abs().max()).item())\n"
         "    if k % 32 == 0:\n"
         "        for dt in (torch.float32, torch.bfloat16):\n"
         "            q4 = Int4Weight(w, 32, dt); d = q4.dequantize().double()\n"
-        "            xr, dr = (x.bfloat16().double(), d.bfloat16().double()) if dt == torch.bfloat16 and m >= 8 else (x.double(), d)\n"
+        "            xr, dr = (x.bfloat16().double(), d.bfloat16().double()) if dt == torch.bfloat16 and m >= 8 else (cpu_ops.rounded_rows(x, 32), d)\n"
         "            ref = xr @ dr.t()\n"
         "            got = cpu_ops.q4_linear(x, q4.nibbles, q4.scales_zeros, 32).double()\n"
         "            worst = max(worst, ((got - ref).abs().max() / ref.abs().max()).item())\n"
         "print('worst', worst < 1e-5, worst)\n"
     )
     out = _run(code, HYBRIDKV_CACHE_DIR=str(tmp_path / "cache"), **env).splitlines()
-    assert level is None or out[0] == level, out
+    assert level is None or out[0].split()[0] == level, out
+    assert out[0].split()[1] == ("256" if level == "avx2" else "0"), out
     assert out[-1].startswith("worst True"), out
 
 
@@ -249,3 +252,81 @@ def test_hold_cores_hands_the_threads_over_and_back():
         cpu_ops.hold_cores(was)
         torch.set_num_threads(torch_threads)
         ops.set_threads(kernel_threads)
+
+
+def _as_avx2_rounds(x: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """The AVX2 rounding's contract restated on its own (per block of 256 columns, or the
+    multiple of the int4 group from 256 up: ``round(x * (32767 / amax)) * (amax / 32767)``)."""
+    block = 256 if group <= 0 else (group if group >= 256 else -(-256 // group) * group)
+    out = torch.empty(x.shape, dtype=torch.float64)
+    for k0 in range(0, x.shape[1], block):
+        for r in range(x.shape[0]):
+            part = x[r, k0 : k0 + block]
+            amax = part.abs().max()
+            if not torch.isfinite(amax) or part.isnan().any():
+                out[r, k0 : k0 + block] = float("nan")
+            elif amax == 0:
+                out[r, k0 : k0 + block] = 0.0
+            else:
+                inv, step = torch.tensor(32767.0) / amax, amax / torch.tensor(32767.0)
+                out[r, k0 : k0 + block] = torch.round(part * inv).double() * step.double()
+    return out
+
+
+def test_the_rounding_of_the_rows_is_what_its_docstring_says():
+    """rounded_rows (the tests' reference of the AVX2 kernels) against the contract written out
+    element by element, on mixed magnitudes, zeros, nan and inf, every group size; its worked
+    example; and no rounding at all where the build keeps fp32 rows."""
+    g = torch.Generator().manual_seed(11)
+    block = cpu_ops.rounding_block()
+    if not block:
+        x = torch.randn(3, 300, generator=g)
+        assert torch.equal(cpu_ops.rounded_rows(x), x.double())
+        pytest.skip("this build keeps fp32 rows (no AVX2-only kernels)")
+    assert block == 256 and cpu_ops.rounding_block(32) == 256 and cpu_ops.rounding_block(96) == 288
+    assert cpu_ops.rounding_block(512) == 512
+    ex = cpu_ops.rounded_rows(torch.tensor([[0.5, -1.0, 0.25]]))
+    assert torch.equal(ex, torch.tensor([[16384.0, -32767.0, 8192.0]], dtype=torch.float64)
+                       * (torch.tensor(1.0) / torch.tensor(32767.0)).double())
+    for group in (0, 32, 64, 96, 128, 512):
+        x = torch.randn(5, 1024 + 64, generator=g) * 10.0 ** torch.randint(-3, 4, (5, 1), generator=g).float()
+        x[1, :300] = 0.0
+        x[2, 7] = float("nan")
+        x[3, 900] = float("inf")
+        got, want = cpu_ops.rounded_rows(x, group), _as_avx2_rounds(x, group)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+        width = cpu_ops.rounding_block(group)
+        for k0 in range(0, x.shape[1], width):  # within half a step (plus the fp32 product's rounding)
+            part = x[[0, 1, 4], k0 : k0 + width].double()
+            step = part.abs().amax(dim=1, keepdim=True) / 32767
+            assert ((got[[0, 1, 4], k0 : k0 + width] - part).abs() <= 0.502 * step).all()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_non_finite_rows_give_nan_and_zero_rows_zero(kind):
+    """A row with a nan or an inf gives nan in every output (no finite garbage), whatever the
+    build; a zero row gives zeros; the other rows are untouched by their neighbours."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(12, 320, generator=g)
+    x = torch.randn(4, 320, generator=g)
+    x[0, 3] = float("nan")
+    x[1, 200] = float("inf")
+    x[2] = 0.0
+    if kind == "int8":
+        q = Int8Weight(w, torch.float32)
+        got = cpu_ops.q8_linear(x, q.q, q.scales32)
+        alone = cpu_ops.q8_linear(x[3:], q.q, q.scales32)
+    else:
+        q = Int4Weight(w, 32, torch.float32)
+        got = cpu_ops.q4_linear(x, q.nibbles, q.scales_zeros, 32)
+        alone = cpu_ops.q4_linear(x[3:], q.nibbles, q.scales_zeros, 32)
+    assert got[0].isnan().all() and (got[1].isnan() | got[1].isinf()).all()
+    assert torch.equal(got[2], torch.zeros(12)) and torch.equal(got[3:], alone)
+
+
+def test_the_worked_example_of_the_rounding():
+    """qmatmul_avx2.c's example, on every build: x [0.5, -1, 0.25] times q [2, 1, -4] at scale
+    0.5 is -0.5 (rounded rows 16384, -32767, 8192 steps of 1/32767, the biases cancelling)."""
+    x = torch.tensor([[0.5, -1.0, 0.25]])
+    got = cpu_ops.q8_linear(x, torch.tensor([[2, 1, -4]], dtype=torch.int8), torch.tensor([0.5]))
+    assert got.shape == (1, 1) and abs(got.item() + 0.5) < 1e-6, got

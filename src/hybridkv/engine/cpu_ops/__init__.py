@@ -25,10 +25,10 @@ quantization), never on the exact fp32 default.
 from __future__ import annotations
 
 from hybridkv.engine.cpu_ops.bindings import (ACTIVATIONS, decode_attention, gated_act, hold_cores, q4_linear,
-                                              q8_linear, rms_norm, rope_rotate_half)
+                                              q8_linear, rms_norm, rope_rotate_half, rounded_rows, rounding_block)
 from hybridkv.engine.cpu_ops.build import (FLAGS, HERE, MODULE, PRUNE_AFTER_DAYS, SOURCES, load, unavailable)
 # private names the tests reach through the package (``_state``: the same dict the build and hold_cores write)
 from hybridkv.engine.cpu_ops.build import _build, _compiler, _prune, _state  # noqa: F401
 
 __all__ = ["decode_attention", "gated_act", "hold_cores", "load", "q4_linear", "q8_linear", "rms_norm",
-           "rope_rotate_half", "unavailable"]
+           "rope_rotate_half", "rounded_rows", "rounding_block", "unavailable"]

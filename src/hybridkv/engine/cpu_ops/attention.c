@@ -1,7 +1,14 @@
 /* Paged decode attention of one query per sequence (see cpu_ops/bindings.py: decode_attention):
  * each sequence's new K/V written to its slot, then its query heads attend to first[s] .. pos[s]
  * read straight through the block table (no gathered copy, no padding, no mask), GQA by h / rep.
- * Single-threaded; gcc vectorizes the loops (#pragma omp simd). */
+ * Split over the kernels' threads by keys (flash-decoding): each (sequence, KV head)'s keys in
+ * units of KEY_PART, a unit's softmax pieces combined after, so one sequence with one KV head
+ * uses every core from a few hundred keys on, and the result is the same whatever the thread
+ * count. gcc vectorizes the loops (#pragma omp simd).
+ *
+ * Worked example: 600 keys, KEY_PART 256 -> units of keys 0-255, 256-511, 512-599; each unit u
+ * leaves (m_u, l_u, o_u) = (max score, sum e^(score - m_u), sum e^(score - m_u) v); with
+ * M = max m_u the output is sum e^(m_u - M) o_u / sum e^(m_u - M) l_u, the softmax of all 600. */
 #include "cpu_ops.h"
 
 int attend_check(const attn_job *a, char *err, size_t size) {
@@ -30,120 +37,176 @@ int attend_check(const attn_job *a, char *err, size_t size) {
     return 0;
 }
 
-/* Work items i0 .. i1-1 of a job, item i = (sequence s, KV head g) = (i / Hkv, i % Hkv): write
- * its new K/V at pos[s], then attend from its rep query heads to positions first[s] .. pos[s]
- * (validated by the caller); sc: room for rep x the longest key range. Items touch disjoint
- * cache rows (head g of slot pos[s]) and output rows. */
-static void attend_range(const attn_job *a, long i0, long i1, float *sc) {
-    long D = a->D, rep = a->rep, Hkv = a->Hkv, bs = a->bs, num_slots = a->num_slots;
-    float *keys_v = a->kv + Hkv * num_slots * D;
-    long Hq = Hkv * rep;
-    for (long i = i0; i < i1; i++) {
-        long s = i / Hkv, g = i % Hkv;
-        const int64_t *table = a->tables + s * a->table_stride;
-        long p_last = (long)a->pos[s], p0 = (long)a->first[s];
-        long n = p_last - p0 + 1;
-        if (a->k_new != NULL) {
-            long slot = (long)table[p_last / bs] * bs + p_last % bs;
-            memcpy(a->kv + (g * num_slots + slot) * D, a->k_new + s * a->new_sS + g * a->new_sH, D * sizeof(float));
-            memcpy(keys_v + (g * num_slots + slot) * D, a->v_new + s * a->new_sS + g * a->new_sH, D * sizeof(float));
-        }
-        { /* the attention of head g's rep query heads */
-            const float *qg = a->q + s * a->q_sS + g * rep * a->q_sH;
-            const float *kg = a->kv + g * num_slots * D;
-            const float *vg = keys_v + g * num_slots * D;
-            /* scores [rep, n], block by block (a block's slots are consecutive rows) */
-            for (long b = p0 / bs, j = 0; b <= p_last / bs; b++) {
-                long lo = b * bs > p0 ? b * bs : p0, hi = (b + 1) * bs <= p_last ? (b + 1) * bs : p_last + 1;
-                const float *k = kg + ((long)table[b] * bs + (lo - b * bs)) * D;
-                for (long p = lo; p < hi; p++, j++, k += D) {
-                    for (long r = 0; r < rep; r++) {
-                        const float *qr = qg + r * a->q_sH;
-                        float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                        for (long d = 0; d < D; d++) acc += qr[d] * k[d];
-                        sc[r * n + j] = acc * a->scale;
-                    }
-                }
-            }
-            /* softmax per query head */
-            for (long r = 0; r < rep; r++) {
-                float *row = sc + r * n;
-                float m = row[0];
-                for (long j = 1; j < n; j++) m = row[j] > m ? row[j] : m;
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (long j = 0; j < n; j++) {
-                    float e = exp_neg(row[j] - m);
-                    row[j] = e;
-                    sum += e;
-                }
-                float inv = 1.0f / sum;
-#pragma omp simd
-                for (long j = 0; j < n; j++) row[j] *= inv;
-            }
-            /* out[s, g*rep + r] = sum_j p[r, j] v_j */
-            float *og = a->out + (s * Hq + g * rep) * D;
-            memset(og, 0, rep * D * sizeof(float));
-            for (long b = p0 / bs, j = 0; b <= p_last / bs; b++) {
-                long lo = b * bs > p0 ? b * bs : p0, hi = (b + 1) * bs <= p_last ? (b + 1) * bs : p_last + 1;
-                const float *v = vg + ((long)table[b] * bs + (lo - b * bs)) * D;
-                for (long p = lo; p < hi; p++, j++, v += D) {
-                    for (long r = 0; r < rep; r++) {
-                        float w = sc[r * n + j];
-                        float *o = og + r * D;
-#pragma omp simd
-                        for (long d = 0; d < D; d++) o[d] += w * v[d];
-                    }
-                }
-            }
-        }
-    }
-}
-
+/* keys one unit of work attends to: an item's keys are cut into parts of KEY_PART (fixed by the
+ * key range, never by the thread count, so the result does not depend on how many threads ran) */
+#define KEY_PART 256
 #define MAX_PARTS 64
 
-/* a job split by (sequence, KV head) into parts of about equal key counts */
+/* A job's units: unit u = (item, the keys k0 .. k1 of its sequence), item i = (sequence s, KV
+ * head g) = (i / Hkv, i % Hkv), its units in key order. An item of one unit writes its output
+ * itself; one of several leaves, per query head r, (m, l, o[D]) = (its scores' max, sum of
+ * e^(score - m), sum of e^(score - m) v) in `part` for the combine. */
 typedef struct {
     const attn_job *a;
-    float *sc;   /* [parts][rep * longest] */
-    long stride; /* rep * longest */
-    long bounds[MAX_PARTS + 1];
+    long *item_of, *k0, *first_unit; /* [units], [units], [items + 1] */
+    float *sc;                       /* per thread part: [rep, KEY_PART] scores */
+    float *part;                     /* [units, rep, D + 2] */
+    long bounds[MAX_PARTS + 1];      /* thread part p: units bounds[p] .. bounds[p + 1] */
+    long ibounds[MAX_PARTS + 1];     /* combine part p: items ibounds[p] .. ibounds[p + 1] */
 } attn_split;
+
+/* unit u: scores of the rep query heads against its keys, their softmax pieces, the output
+ * (one unit) or the partial sums (several) */
+static void attend_unit(const attn_split *c, long u, float *sc) {
+    const attn_job *a = c->a;
+    long D = a->D, rep = a->rep, Hkv = a->Hkv, bs = a->bs, num_slots = a->num_slots, Hq = Hkv * rep;
+    long i = c->item_of[u], s = i / Hkv, g = i % Hkv;
+    const int64_t *table = a->tables + s * a->table_stride;
+    long p0 = c->k0[u], p_last = (long)a->pos[s];
+    long p1 = p0 + KEY_PART - 1 < p_last ? p0 + KEY_PART - 1 : p_last, n = p1 - p0 + 1;
+    const float *qg = a->q + s * a->q_sS + g * rep * a->q_sH;
+    const float *kg = a->kv + g * num_slots * D, *vg = a->kv + (Hkv + g) * num_slots * D;
+    for (long b = p0 / bs, j = 0; b <= p1 / bs; b++) { /* scores [rep, n], block by block */
+        long lo = b * bs > p0 ? b * bs : p0, hi = (b + 1) * bs <= p1 ? (b + 1) * bs : p1 + 1;
+        const float *k = kg + ((long)table[b] * bs + (lo - b * bs)) * D;
+        for (long p = lo; p < hi; p++, j++, k += D)
+            for (long r = 0; r < rep; r++) {
+                const float *qr = qg + r * a->q_sH;
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (long d = 0; d < D; d++) acc += qr[d] * k[d];
+                sc[r * n + j] = acc * a->scale;
+            }
+    }
+    int whole = c->first_unit[i + 1] - c->first_unit[i] == 1;
+    float *og = whole ? a->out + (s * Hq + g * rep) * D : NULL;
+    for (long r = 0; r < rep; r++) { /* e^(score - max) and their sum per query head */
+        float *row = sc + r * n, mx = row[0], sum = 0.0f;
+        for (long j = 1; j < n; j++) mx = row[j] > mx ? row[j] : mx;
+#pragma omp simd reduction(+ : sum)
+        for (long j = 0; j < n; j++) {
+            float e = exp_neg(row[j] - mx);
+            row[j] = e;
+            sum += e;
+        }
+        float *o = whole ? og + r * D : c->part + (u * rep + r) * (D + 2) + 2;
+        memset(o, 0, D * sizeof(float));
+        if (whole) { /* one unit: the probabilities themselves */
+            float inv = 1.0f / sum;
+#pragma omp simd
+            for (long j = 0; j < n; j++) row[j] *= inv;
+        } else {
+            o[-2] = mx, o[-1] = sum;
+        }
+    }
+    for (long b = p0 / bs, j = 0; b <= p1 / bs; b++) { /* sum_j w[r, j] v_j */
+        long lo = b * bs > p0 ? b * bs : p0, hi = (b + 1) * bs <= p1 ? (b + 1) * bs : p1 + 1;
+        const float *v = vg + ((long)table[b] * bs + (lo - b * bs)) * D;
+        for (long p = lo; p < hi; p++, j++, v += D)
+            for (long r = 0; r < rep; r++) {
+                float w = sc[r * n + j];
+                float *o = whole ? og + r * D : c->part + (u * rep + r) * (D + 2) + 2;
+#pragma omp simd
+                for (long d = 0; d < D; d++) o[d] += w * v[d];
+            }
+    }
+}
 
 static void attend_part(void *ctx, long p, long P) {
     const attn_split *c = ctx;
-    attend_range(c->a, c->bounds[p], c->bounds[p + 1], c->sc + p * c->stride);
+    float *sc = c->sc + p * c->a->rep * KEY_PART;
+    for (long u = c->bounds[p]; u < c->bounds[p + 1]; u++) attend_unit(c, u, sc);
 }
 
-/* Each sequence's K/V write and attention, its KV heads split over the kernels' threads (parts
- * of about equal keys, when there are enough keys to split). -1 when out of memory. */
-int attend(const attn_job *a) {
-    long longest = 0, keys = 0;
-    for (long s = 0; s < a->S; s++) {
-        long n = (long)(a->pos[s] - a->first[s] + 1);
-        longest = n > longest ? n : longest;
-        keys += n;
+/* items of several units: out = sum_u e^(m_u - M) o_u / sum_u e^(m_u - M) l_u, M the largest
+ * m_u, in unit order */
+static void combine_part(void *ctx, long p, long P) {
+    const attn_split *c = ctx;
+    const attn_job *a = c->a;
+    long D = a->D, rep = a->rep, Hq = a->Hkv * rep;
+    for (long i = c->ibounds[p]; i < c->ibounds[p + 1]; i++) {
+        long u0 = c->first_unit[i], u1 = c->first_unit[i + 1];
+        if (u1 - u0 == 1) continue;
+        long s = i / a->Hkv, g = i % a->Hkv;
+        for (long r = 0; r < rep; r++) {
+            float M = -INFINITY, L = 0.0f, *o = a->out + (s * Hq + g * rep + r) * D;
+            for (long u = u0; u < u1; u++) {
+                float mu = c->part[(u * rep + r) * (D + 2)];
+                M = mu > M ? mu : M;
+            }
+            memset(o, 0, D * sizeof(float));
+            for (long u = u0; u < u1; u++) {
+                const float *pu = c->part + (u * rep + r) * (D + 2);
+                float f = exp_neg(pu[0] - M);
+                L += f * pu[1];
+#pragma omp simd
+                for (long d = 0; d < D; d++) o[d] += f * pu[2 + d];
+            }
+            float inv = 1.0f / L;
+#pragma omp simd
+            for (long d = 0; d < D; d++) o[d] *= inv;
+        }
     }
-    long items = a->S * a->Hkv; /* (sequence, KV head) pairs */
-    long parts = keys * a->Hkv * a->rep * a->D / 65536 + 1; /* ~64 K multiply-adds a part at least */
+}
+
+/* Each sequence's K/V write, then its attention: every (sequence, KV head)'s keys cut into units
+ * of KEY_PART keys, the units split over the kernels' threads (a single sequence's one KV head
+ * included), the items of several units combined after. -1 when out of memory. */
+int attend(const attn_job *a) {
+    long D = a->D, Hkv = a->Hkv, rep = a->rep, bs = a->bs, items = a->S * Hkv, units = 0, keys = 0;
+    for (long i = 0; i < items; i++) { /* the new K/V first: a later unit of the item reads it */
+        long s = i / Hkv, g = i % Hkv, n = (long)(a->pos[s] - a->first[s] + 1);
+        units += (n + KEY_PART - 1) / KEY_PART, keys += n;
+        if (a->k_new != NULL) {
+            const int64_t *table = a->tables + s * a->table_stride;
+            long p = (long)a->pos[s], slot = (long)table[p / bs] * bs + p % bs;
+            memcpy(a->kv + (g * a->num_slots + slot) * D, a->k_new + s * a->new_sS + g * a->new_sH, D * sizeof(float));
+            memcpy(a->kv + ((Hkv + g) * a->num_slots + slot) * D, a->v_new + s * a->new_sS + g * a->new_sH,
+                   D * sizeof(float));
+        }
+    }
+    long parts = keys * rep * D / 65536 + 1; /* ~64 K multiply-adds a part at least */
     long threads = pool_threads();
     parts = parts < threads ? parts : threads;
-    parts = parts < items ? parts : items;
+    parts = parts < units ? parts : units;
     parts = parts < MAX_PARTS ? parts : MAX_PARTS;
     if (parts < 1) parts = 1;
-    attn_split c = {.a = a, .stride = a->rep * longest + 1};
-    c.sc = (float *)malloc(sizeof(float) * (size_t)(c.stride * parts));
-    if (c.sc == NULL) return -1;
-    long i = 0, seen = 0; /* part p ends where the keys so far pass (p + 1) / parts of them */
-    c.bounds[0] = 0;
-    for (long p = 0; p < parts; p++) {
-        while (i < items && (p == parts - 1 || seen * parts < keys * a->Hkv * (p + 1)))
-            seen += a->pos[i / a->Hkv] - a->first[i / a->Hkv] + 1, i++;
-        c.bounds[p + 1] = i;
+    attn_split c = {.a = a};
+    size_t ints = (size_t)(2 * units + items + 1), floats = (size_t)(parts * rep * KEY_PART);
+    long multi = 0; /* units of items with several */
+    for (long s = 0; s < a->S; s++) {
+        long n = (long)(a->pos[s] - a->first[s] + 1), k = (n + KEY_PART - 1) / KEY_PART;
+        multi += k > 1 ? k * Hkv : 0;
+    }
+    floats += multi ? (size_t)(units * rep * (D + 2)) : 0;
+    char *buf = malloc(sizeof(long) * ints + sizeof(float) * floats);
+    if (buf == NULL) return -1;
+    c.item_of = (long *)buf, c.k0 = c.item_of + units, c.first_unit = c.k0 + units;
+    c.sc = (float *)(c.first_unit + items + 1);
+    c.part = multi ? c.sc + parts * rep * KEY_PART : NULL;
+    for (long i = 0, u = 0; i < items; i++) {
+        long s = i / Hkv;
+        c.first_unit[i] = u;
+        for (long p = (long)a->first[s]; p <= (long)a->pos[s]; p += KEY_PART, u++) c.item_of[u] = i, c.k0[u] = p;
+    }
+    c.first_unit[items] = units;
+    { /* thread parts of about equal keys (a unit's keys: KEY_PART but the item's last) */
+        long u = 0, seen = 0;
+        c.bounds[0] = 0;
+        for (long p = 0; p < parts; p++) {
+            while (u < units && (p == parts - 1 || seen * parts < keys * (p + 1))) {
+                long last = (long)a->pos[c.item_of[u] / Hkv];
+                seen += c.k0[u] + KEY_PART - 1 < last ? KEY_PART : last - c.k0[u] + 1, u++;
+            }
+            c.bounds[p + 1] = u;
+        }
     }
     pool_run(attend_part, &c, parts);
-    free(c.sc);
+    if (multi) {
+        long cparts = parts < items ? parts : items;
+        for (long p = 0; p <= cparts; p++) c.ibounds[p] = items * p / cparts;
+        pool_run(combine_part, &c, cparts);
+    }
+    free(buf);
     return 0;
 }
-

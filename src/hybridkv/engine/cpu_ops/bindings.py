@@ -13,7 +13,7 @@ import torch
 from hybridkv.engine.cpu_ops.build import _state, load
 
 __all__ = ["ACTIVATIONS", "decode_attention", "gated_act", "hold_cores", "q4_linear", "q8_linear", "rms_norm",
-           "rope_rotate_half"]
+           "rope_rotate_half", "rounded_rows", "rounding_block"]
 
 
 def hold_cores(kernels: bool) -> None:
@@ -150,6 +150,38 @@ def decode_attention(
     return out
 
 
+def rounding_block(group: int = 0) -> int:
+    """The columns per rounding step of the rows the quantized matmuls round to 16-bit integers
+    (the AVX2 build, ``qmatmul_avx2.c``): 256, for int4 (``group`` > 0) the multiple of the
+    group from 256 up (the group itself past 256); 0 where the rows stay fp32 (AVX-512, plain C,
+    no kernels)."""
+    block = getattr(load(), "X16_BLOCK", 0)
+    if not block or group <= 0:
+        return block
+    return group if group >= block else -(-block // group) * group
+
+
+def rounded_rows(x: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """x [M, K] fp32 -> [M, K] fp64: the rows as the quantized matmuls of this build multiply
+    them (``group``: the int4 weight's group, 0 for int8), x itself where they stay fp32. The
+    AVX2 rounding, in torch's fp32 arithmetic as the C does it: per row and block of
+    :func:`rounding_block` columns, ``amax = max|x|``, ``x16 = round(x * (32767 / amax))`` (half
+    to even), ``x ~ x16 * (amax / 32767)``; a block with a nan or an inf gives nan, one of zeros
+    zeros. Worked example: ``[0.5, -1.0, 0.25]`` -> ``[16384, -32767, 8192] / 32767``."""
+    block = rounding_block(group)
+    if not block:
+        return x.double()
+    out = torch.empty(x.shape, dtype=torch.float64)
+    for k0 in range(0, x.shape[1], block):
+        part = x[:, k0 : k0 + block].float()
+        amax = part.abs().amax(dim=1, keepdim=True) if part.shape[1] else part.new_zeros(part.shape[0], 1)
+        finite = torch.isfinite(amax) & ~part.isnan().any(dim=1, keepdim=True)
+        inv = torch.where(finite & (amax > 0), torch.tensor(32767.0) / amax, torch.zeros_like(amax))
+        step = torch.where(finite, amax / torch.tensor(32767.0), torch.full_like(amax, float("nan")))
+        out[:, k0 : k0 + block] = torch.round(part * inv).double() * step.double()
+    return out
+
+
 def _linear_rows(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
     """x [M, K] fp32 with unit stride in K (rows at any stride), else ValueError."""
     if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
@@ -161,7 +193,8 @@ def _linear_rows(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
 def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bf16: bool = False) -> torch.Tensor:
     """x [M, K] fp32 (unit stride in K) times the int8 weight ``q`` [N, K] (contiguous) with
     per-row ``scales`` [N] fp32 -> [M, N] fp32: ``y[m, n] = scales[n] * sum_k x[m, k] q[n, k]``,
-    split over the kernels' threads; ``bf16``: x rounded to bf16 first (bf16 dot products)."""
+    split over the kernels' threads; ``bf16``: x rounded to bf16 first (bf16 dot products);
+    on AVX2 x is rounded as :func:`rounded_rows` says."""
     n, k = q.shape
     _linear_rows(x, k, "q8_linear")
     if q.dtype is not torch.int8 or not q.is_contiguous() or scales.dtype is not torch.float32 \
@@ -178,7 +211,8 @@ def q4_linear(x: torch.Tensor, nibbles: torch.Tensor, scales_zeros: torch.Tensor
     2j's code in byte j's low nibble, 2j+1's in its high one; ``scales_zeros`` [N, K/G, 2] bf16 or
     fp32, contiguous) -> [M, N] fp32: weights ``(code - 8) * scale + zero`` per group of ``group``
     (a multiple of 32) columns, split over the kernels' threads. With bf16 scales the inputs and
-    the weights are rounded to bf16 (bf16 dot products), with fp32 ones they stay fp32."""
+    the weights are rounded to bf16 (bf16 dot products), with fp32 ones they stay fp32 (on AVX2
+    rounded as :func:`rounded_rows` says)."""
     n, half = nibbles.shape
     k = 2 * half
     _linear_rows(x, k, "q4_linear")

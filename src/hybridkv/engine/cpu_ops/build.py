@@ -58,7 +58,8 @@ __all__ = ["FLAGS", "HERE", "MODULE", "PRUNE_AFTER_DAYS", "SOURCES", "load", "un
 HERE = Path(__file__).parent
 #: compiled together into one module (the header first: it is part of the build's key)
 SOURCES = tuple(HERE / name for name in ("cpu_ops.h", "cpu_ops.c", "rowops.c", "attention.c", "qmatmul.c", "pool.c",
-                                          "decode_stack.c", "qmatmul.h", "qmatmul_bf16.c"))
+                                          "decode_stack.c", "qmatmul.h", "qmatmul_bf16.c",
+                                          "qmatmul_avx2.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC",
          "-std=gnu11", "-pthread")
 MODULE = "_hybridkv_cpu_ops"

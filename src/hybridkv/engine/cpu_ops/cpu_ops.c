@@ -2,7 +2,7 @@
  * tensors' data_ptr() values and strides (in elements) from the Python wrappers, which check
  * dtypes and shapes and keep the tensors alive for the call. The kernels themselves are in
  * rowops.c, attention.c, qmatmul.c and decode_stack.c. */
-#include "cpu_ops.h"
+#include "qmatmul.h"
 
 #define ARGS(name, n)                                                    \
     if (nargs != n) {                                                    \
@@ -97,4 +97,16 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hybridkv_cpu_ops", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__hybridkv_cpu_ops(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__hybridkv_cpu_ops(void) {
+    PyObject *m = PyModule_Create(&module);
+#ifdef QM_AVX2 /* X16_BLOCK: the columns per rounding step of the rows the quantized matmuls round to int16 (0: none) */
+    long x16 = QX_BLOCK;
+#else
+    long x16 = 0;
+#endif
+    if (m != NULL && PyModule_AddIntConstant(m, "X16_BLOCK", x16) != 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

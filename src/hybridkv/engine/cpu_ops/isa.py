@@ -16,9 +16,11 @@ AVX2 kernels measured on an AVX-512 machine, or the bf16 rule forced off.
 
 **The bf16 rule.** A CPU without native bf16 arithmetic (no ``avx512_bf16``, no ``amx_bf16``)
 multiplies bf16 through conversions, a bf16 GEMM there can be hundreds of times slower than
-fp32. On such a CPU the quantized path computes in fp32: its rows stay fp32 (the C kernels'
-fp32 dot products), a prefill chunk multiplies the dequantized weight in fp32, and no
-activation is rounded to bf16 (:func:`quantized_compute_dtype`). Worked example: on an AMD
+fp32. On such a CPU the quantized path computes in fp32: its rows stay fp32 (with AVX-512
+the C kernels' fp32 dot products; the ``avx2`` build rounds them to 16-bit integers per block
+of 256 columns for integer dot products, ``cpu_ops.rounded_rows``), a prefill chunk multiplies
+the dequantized weight in fp32, and no activation is rounded to bf16
+(:func:`quantized_compute_dtype`). Worked example: on an AMD
 EPYC Zen 3 (``avx2``, no bf16) ``--quantization int8`` computes in float32; on a Zen 4
 (``avx512_bf16``) in bfloat16.
 

@@ -10,13 +10,14 @@
  * Worked example (int4, G = 32): byte 0x3A of row n at j = 0 holds column 0's code 10 (0xA)
  * and column 1's code 3; with s = 0.5, z = 1 (lo = -3) they are the weights 2.0 and -1.5.
  *
- * Activations stay fp32 (no activation quantization: only the weights are), accumulated with
- * fused multiply-adds in fp32. The work is split by output rows n (tiles of 4 rows); each
- * tile's weights are read once for all M input rows (tiles of up to 4 m), so M rows cost one
- * pass over the weights. With AVX-512 the tiles are written with intrinsics (a row of 16
- * int8 or 32 int4 weights is one load, widened and converted in registers); with AVX2 + FMA
- * likewise 8 int8 or 16 int4 weights a load, in tiles of 4 weight rows by 2 input rows (16
- * vector registers); elsewhere plain loops (gcc vectorizes what it can). */
+ * With AVX-512 (and in the plain-C build) activations stay fp32 (only the weights are
+ * quantized), accumulated with fused multiply-adds in fp32. The work is split by output rows n
+ * (tiles of 4 rows); each tile's weights are read once for all M input rows (tiles of up to 4
+ * m), so M rows cost one pass over the weights. With AVX-512 the tiles are written with
+ * intrinsics (a row of 16 int8 or 32 int4 weights is one load, widened and converted in
+ * registers); elsewhere plain loops (gcc vectorizes what it can). With AVX2 + FMA but no
+ * AVX-512, qmatmul_avx2.c rounds the rows to 16-bit integers per block of columns (2^-16 of
+ * the block's largest |x|) and sums the products exactly in integers: see its contract. */
 #include "qmatmul.h"
 
 /* from this many rows of x on, bf16 inputs (when the weight's compute dtype is bf16) take the
@@ -143,105 +144,10 @@ static inline __attribute__((always_inline)) void q4_tile(const qjob *j, const f
         }                                                                             \
     }
 
-#elif defined(QM_AVX2)
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* int8 tile: NB rows n.., MB (<= 2) rows m..; the last K % 8 columns in scalar code */
-static inline __attribute__((always_inline)) void q8_tile(const qjob *j, long n, long m, const int NB, const int MB) {
-    const int8_t *q = (const int8_t *)j->w;
-    const float *sc = (const float *)j->scales;
-    long K = j->K;
-    __m256 acc[4][2];
-    for (int a = 0; a < NB; a++)
-        for (int b = 0; b < MB; b++) acc[a][b] = _mm256_setzero_ps();
-    long k = 0;
-    for (; k + 8 <= K; k += 8) {
-        __m256 xv[2];
-        for (int b = 0; b < MB; b++) xv[b] = _mm256_loadu_ps(j->x + (m + b) * j->sx + k);
-        for (int a = 0; a < NB; a++) {
-            const int8_t *src = q + (n + a) * K + k;
-            _mm_prefetch((const char *)src + QM_AHEAD, _MM_HINT_T0);
-            __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
-            for (int b = 0; b < MB; b++) acc[a][b] = _mm256_fmadd_ps(w, xv[b], acc[a][b]);
-        }
-    }
-    for (int a = 0; a < NB; a++)
-        for (int b = 0; b < MB; b++) {
-            float s = hsum8(acc[a][b]);
-            const float *xr = j->x + (m + b) * j->sx;
-            const int8_t *qr = q + (n + a) * K;
-            for (long t = k; t < K; t++) s += xr[t] * (float)qr[t];
-            j->y[(m + b) * j->sy + n + a] = s * sc[n + a];
-        }
-}
-
-/* int4 tile over x de-interleaved per 32 columns (xp: 16 even, then 16 odd columns): 8 bytes of
- * codes are 8 even and 8 odd columns, each weight code * s + lo made in registers */
-static inline __attribute__((always_inline)) void q4_tile(const qjob *j, const float *xp, long n, long m, const int NB,
-                                                          const int MB) {
-    const uint8_t *nib = (const uint8_t *)j->w;
-    long K = j->K, G = j->G, half = K / 2, KG = K / G;
-    const __m256i low4 = _mm256_set1_epi32(15);
-    __m256 acc[4][2];
-    for (int a = 0; a < NB; a++)
-        for (int b = 0; b < MB; b++) acc[a][b] = _mm256_setzero_ps();
-    for (long g = 0; g < KG; g++) {
-        __m256 s[4], lo[4];
-        for (int a = 0; a < NB; a++) {
-            float sf, lf;
-            q4_group(j, n + a, g, &sf, &lf);
-            s[a] = _mm256_set1_ps(sf), lo[a] = _mm256_set1_ps(lf);
-        }
-        for (long k = g * G; k < (g + 1) * G; k += 32)
-            for (int h = 0; h < 16; h += 8) { /* bytes h .. h + 7 of the 16 that hold these 32 columns */
-                __m256 xe[2], xo[2];
-                for (int b = 0; b < MB; b++) {
-                    xe[b] = _mm256_loadu_ps(xp + (m + b) * K + k + h);
-                    xo[b] = _mm256_loadu_ps(xp + (m + b) * K + k + 16 + h);
-                }
-                for (int a = 0; a < NB; a++) {
-                    const uint8_t *src = nib + (n + a) * half + k / 2 + h;
-                    _mm_prefetch((const char *)src + QM_AHEAD, _MM_HINT_T0);
-                    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
-                    __m256 we = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c, low4)), s[a], lo[a]);
-                    __m256 wo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), s[a], lo[a]);
-                    for (int b = 0; b < MB; b++) {
-                        acc[a][b] = _mm256_fmadd_ps(we, xe[b], acc[a][b]);
-                        acc[a][b] = _mm256_fmadd_ps(wo, xo[b], acc[a][b]);
-                    }
-                }
-            }
-    }
-    for (int a = 0; a < NB; a++)
-        for (int b = 0; b < MB; b++) j->y[(m + b) * j->sy + n + a] = hsum8(acc[a][b]);
-}
-
-/* tiles of 4 weight rows by up to 2 input rows (what 16 ymm registers hold); the AVX-512 TILES
- * above takes up to 4 input rows */
-#define TILES(TILE, ...)                                                             \
-    for (long n = n0; n < n1; n += 4) {                                               \
-        long nb = n1 - n < 4 ? n1 - n : 4;                                            \
-        for (long m = 0; m < j->M; m += 2) {                                          \
-            long mb = j->M - m < 2 ? j->M - m : 2;                                    \
-            if (nb == 4) {                                                            \
-                if (mb == 1) TILE(__VA_ARGS__, n, m, 4, 1);                           \
-                else TILE(__VA_ARGS__, n, m, 4, 2);                                   \
-            } else {                                                                  \
-                for (long a = 0; a < nb; a++)                                         \
-                    for (long b = 0; b < mb; b++) TILE(__VA_ARGS__, n + a, m + b, 1, 1); \
-            }                                                                         \
-        }                                                                             \
-    }
-
 #endif
 
-#if defined(QM_AVX512) || defined(QM_AVX2)
-/* the vector builds: each weight tile (TILES, per ISA above) read once for all rows of x */
+#if defined(QM_AVX512)
+/* each weight tile (TILES above) read once for all rows of x */
 static void q8_part(void *ctx, long p, long P) {
     const qjob *j = ctx;
     long n0, n1;
@@ -256,7 +162,7 @@ static void q4_part(void *ctx, long p, long P) {
     split_rows(j->N, p, P, &n0, &n1);
     TILES(q4_tile, j, xp)
 }
-#else /* plain loops */
+#elif !defined(QM_AVX2) /* plain loops (AVX2: qmatmul_avx2.c) */
 static void q8_part(void *ctx, long p, long P) {
     const qjob *j = ctx;
     const int8_t *q = (const int8_t *)j->w;
@@ -299,19 +205,12 @@ static void q4_part(void *ctx, long p, long P) {
 }
 #endif
 
-/* parts worth splitting into: about 64 KB of weights each, at most the pool's threads */
-static long parts_for(long bytes) {
-    long parts = bytes / 65536 + 1;
-    long t = pool_threads();
-    return parts < t ? parts : t;
-}
-
 int qmatmul(const qweight *w, const float *x, long sx, long M, float *y, long sy) {
     qjob j = {.x = x, .sx = sx, .M = M, .K = w->K, .N = w->N, .w = w->w, .scales = w->scales,
               .sz_bf16 = (int)w->sz_bf16, .G = w->group, .y = y, .sy = sy, .xp = NULL};
     if (M <= 0 || w->N <= 0) return 0;
     if (w->sz_bf16 && M >= BF16_ROWS) { /* bf16 inputs: x rounded once, weights decoded per tile of 4 rows */
-        long K32 = (w->K + 31) / 32 * 32, parts = parts_for(w->N * w->K * M / (M < 4 ? M : 4));
+        long K32 = (w->K + 31) / 32 * 32, parts = qm_parts(w->N * w->K * M / (M < 4 ? M : 4));
         uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)(K32 * (M + QM_TILES * 4 * parts)));
         if (buf == NULL) return -1;
         j.K32 = K32, j.xb = buf, j.wb = buf + M * K32;
@@ -320,8 +219,11 @@ int qmatmul(const qweight *w, const float *x, long sx, long M, float *y, long sy
         free(buf);
         return 0;
     }
+#ifdef QM_AVX2
+    return qmatmul_x16(&j, w->kind == 2);
+#else
     if (w->kind == 1) {
-        pool_run(q8_part, &j, parts_for(w->N * w->K * M / (M < 4 ? M : 4)));
+        pool_run(q8_part, &j, qm_parts(w->N * w->K * M / (M < 4 ? M : 4)));
         return 0;
     }
     float *xp = malloc(sizeof(float) * (size_t)(M * w->K));
@@ -333,9 +235,10 @@ int qmatmul(const qweight *w, const float *x, long sx, long M, float *y, long sy
             for (int i = 0; i < 16; i++) o[k + i] = xr[k + 2 * i], o[k + 16 + i] = xr[k + 2 * i + 1];
     }
     j.xp = xp;
-    pool_run(q4_part, &j, parts_for(w->N * w->K / 2 * M / (M < 4 ? M : 4)));
+    pool_run(q4_part, &j, qm_parts(w->N * w->K / 2 * M / (M < 4 ? M : 4)));
     free(xp);
     return 0;
+#endif
 }
 
 /* a weight of kind 1 (int8) or 2 (int4: G a multiple of 32 dividing K), K >= 1, N >= 0, its

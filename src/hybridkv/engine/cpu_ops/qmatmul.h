@@ -16,6 +16,7 @@
 #define QM_TILES 4    /* bf16 path: tiles of 4 weight rows decoded before the rows of x pass over them */
 #define QM_GROUPS 64  /* int4 groups whose scales a tile converts at a time */
 #define QM_AHEAD 1024 /* bytes ahead of each weight row read to prefetch */
+#define QX_BLOCK 256  /* AVX2: columns of x that share one rounding step (qmatmul_avx2.c) */
 
 typedef struct {
     const float *x; /* [M, K], rows at + m * sx */
@@ -30,6 +31,10 @@ typedef struct {
     const uint16_t *xb; /* bf16 inputs: x in bf16 [M, K32] (int4: de-interleaved), zeros past K */
     long K32;           /* K rounded up to a multiple of 32 */
     uint16_t *wb;       /* bf16 inputs: per part, QM_TILES decoded tiles of 4 weight rows [QM_TILES, 4, K32] */
+    const int16_t *x16; /* AVX2: x rounded to int16 [M, K32] (int4: de-interleaved), zeros past K */
+    const float *xd;    /* AVX2: the rounding's step d per row and block of blk columns [M, ceil(K / blk)] */
+    const float *xg;    /* AVX2, int4: per row and group, d * the group's sum of x16 [M, K/G] */
+    long blk;           /* AVX2: the blocks' width */
 } qjob;
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -61,6 +66,17 @@ static inline void split_rows(long N, long p, long P, long *n0, long *n1) {
     if (*n1 > N) *n1 = N;
     if (*n0 > N) *n0 = N;
 }
+
+/* parts worth splitting a job into: about 64 KB of weights each, at most the pool's threads */
+static inline long qm_parts(long bytes) {
+    long parts = bytes / 65536 + 1;
+    long t = pool_threads();
+    return parts < t ? parts : t;
+}
+
+/* qmatmul_avx2.c (AVX2 builds): the job's fp32 rows rounded to int16, then integer dot
+ * products; 0, or -1 when out of memory */
+int qmatmul_x16(qjob *j, int int4);
 
 /* qmatmul_bf16.c: the parts of a job with bf16 inputs */
 void q8_bf16_part(void *ctx, long p, long P);

@@ -16,7 +16,10 @@ rows in, weights decoded in registers, split over the kernels' threads; with the
 dtype* bf16 (the default where the CPU has native bf16; fp32 elsewhere, the bf16 rule of
 :mod:`~hybridkv.engine.cpu_ops.isa`) rows of 8 and more are rounded to bf16 and multiplied
 with bf16 dot products (twice the products an instruction), fewer stay fp32 (their time is
-the weight's bytes either way). Where the kernels cannot be built, torch's own kernels
+the weight's bytes either way). On a CPU with AVX2 but no AVX-512 the fp32 rows are rounded
+to 16-bit integers per block of 256 columns (2^-16 of the block's largest value, about 100
+times finer than bf16) and the products summed exactly in integers, which reads the weights
+at the memory's speed (:func:`~hybridkv.engine.cpu_ops.rounded_rows` states the rounding). Where the kernels cannot be built, torch's own kernels
 (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``, as gpt-fast and torchao use them)
 take the rows in the compute dtype (their fp32 paths are far slower than their bf16 ones).
 Inputs of more than :data:`KERNEL_ROWS` rows (a prefill chunk) multiply the weight dequantized
