@@ -55,6 +55,74 @@ typedef struct {
     long ibounds[MAX_PARTS + 1];     /* combine part p: items ibounds[p] .. ibounds[p + 1] */
 } attn_split;
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(HYBRIDKV_GENERIC)
+#define ATT_AVX2 1
+#include <immintrin.h>
+#endif
+
+/* sc[r * n + i] = scale * q_r . k_i for the len consecutive key rows k (stride D), i < len: with
+ * AVX2 8 keys at a time (8 accumulators, reduced to one vector of their 8 sums), so no key pays
+ * a horizontal sum of its own */
+static void scores_run(const float *q, long q_sH, long rep, const float *k, long len, long D, float scale, float *sc,
+                       long n) {
+    long i = 0;
+#ifdef ATT_AVX2
+    if (D % 8 == 0)
+        for (; i + 8 <= len; i += 8)
+            for (long r = 0; r < rep; r++) {
+                const float *qr = q + r * q_sH, *kb = k + i * D;
+                __m256 acc[8];
+                for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+                for (long d = 0; d < D; d += 8) {
+                    __m256 qv = _mm256_loadu_ps(qr + d);
+                    for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(kb + t * D + d), qv, acc[t]);
+                }
+                __m256 h0 = _mm256_hadd_ps(acc[0], acc[1]), h1 = _mm256_hadd_ps(acc[2], acc[3]);
+                __m256 h2 = _mm256_hadd_ps(acc[4], acc[5]), h3 = _mm256_hadd_ps(acc[6], acc[7]);
+                __m256 h4 = _mm256_hadd_ps(h0, h1), h5 = _mm256_hadd_ps(h2, h3); /* [k0..k3 | k0..k3] halves */
+                __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(h4, h5, 0x20), _mm256_permute2f128_ps(h4, h5, 0x31));
+                _mm256_storeu_ps(sc + r * n + i, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+            }
+#endif
+    for (; i < len; i++)
+        for (long r = 0; r < rep; r++) {
+            const float *qr = q + r * q_sH, *kr = k + i * D;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (long d = 0; d < D; d++) acc += qr[d] * kr[d];
+            sc[r * n + i] = acc * scale;
+        }
+}
+
+/* o[0 .. D) += sum_i w[i] v_i over the len consecutive value rows v (stride D): with AVX2 the
+ * output in registers, 64 columns at a time, instead of loaded and stored once a key */
+static void values_run(const float *w, const float *v, long len, long D, float *o) {
+    long d0 = 0;
+#ifdef ATT_AVX2
+    for (; d0 + 8 <= D; d0 += 64) {
+        int nv = (int)((D - d0) / 8 < 8 ? (D - d0) / 8 : 8);
+        __m256 acc[8];
+        for (int t = 0; t < nv; t++) acc[t] = _mm256_loadu_ps(o + d0 + 8 * t);
+        for (long i = 0; i < len; i++) {
+            __m256 wv = _mm256_set1_ps(w[i]);
+            const float *vr = v + i * D + d0;
+            for (int t = 0; t < nv; t++) acc[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vr + 8 * t), acc[t]);
+        }
+        for (int t = 0; t < nv; t++) _mm256_storeu_ps(o + d0 + 8 * t, acc[t]);
+        if (nv < 8) {
+            d0 += 8 * nv;
+            break;
+        }
+    }
+#endif
+    if (d0 < D)
+        for (long i = 0; i < len; i++) {
+            const float *vr = v + i * D;
+#pragma omp simd
+            for (long d = d0; d < D; d++) o[d] += w[i] * vr[d];
+        }
+}
+
 /* unit u: scores of the rep query heads against its keys, their softmax pieces, the output
  * (one unit) or the partial sums (several) */
 static void attend_unit(const attn_split *c, long u, float *sc) {
@@ -68,15 +136,8 @@ static void attend_unit(const attn_split *c, long u, float *sc) {
     const float *kg = a->kv + g * num_slots * D, *vg = a->kv + (Hkv + g) * num_slots * D;
     for (long b = p0 / bs, j = 0; b <= p1 / bs; b++) { /* scores [rep, n], block by block */
         long lo = b * bs > p0 ? b * bs : p0, hi = (b + 1) * bs <= p1 ? (b + 1) * bs : p1 + 1;
-        const float *k = kg + ((long)table[b] * bs + (lo - b * bs)) * D;
-        for (long p = lo; p < hi; p++, j++, k += D)
-            for (long r = 0; r < rep; r++) {
-                const float *qr = qg + r * a->q_sH;
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (long d = 0; d < D; d++) acc += qr[d] * k[d];
-                sc[r * n + j] = acc * a->scale;
-            }
+        scores_run(qg, a->q_sH, rep, kg + ((long)table[b] * bs + (lo - b * bs)) * D, hi - lo, D, a->scale, sc + j, n);
+        j += hi - lo;
     }
     int whole = c->first_unit[i + 1] - c->first_unit[i] == 1;
     float *og = whole ? a->out + (s * Hq + g * rep) * D : NULL;
@@ -99,16 +160,13 @@ static void attend_unit(const attn_split *c, long u, float *sc) {
             o[-2] = mx, o[-1] = sum;
         }
     }
-    for (long b = p0 / bs, j = 0; b <= p1 / bs; b++) { /* sum_j w[r, j] v_j */
-        long lo = b * bs > p0 ? b * bs : p0, hi = (b + 1) * bs <= p1 ? (b + 1) * bs : p1 + 1;
-        const float *v = vg + ((long)table[b] * bs + (lo - b * bs)) * D;
-        for (long p = lo; p < hi; p++, j++, v += D)
-            for (long r = 0; r < rep; r++) {
-                float w = sc[r * n + j];
-                float *o = whole ? og + r * D : c->part + (u * rep + r) * (D + 2) + 2;
-#pragma omp simd
-                for (long d = 0; d < D; d++) o[d] += w * v[d];
-            }
+    for (long r = 0; r < rep; r++) { /* sum_j w[r, j] v_j, block by block */
+        float *o = whole ? og + r * D : c->part + (u * rep + r) * (D + 2) + 2;
+        for (long b = p0 / bs, j = 0; b <= p1 / bs; b++) {
+            long lo = b * bs > p0 ? b * bs : p0, hi = (b + 1) * bs <= p1 ? (b + 1) * bs : p1 + 1;
+            values_run(sc + r * n + j, vg + ((long)table[b] * bs + (lo - b * bs)) * D, hi - lo, D, o);
+            j += hi - lo;
+        }
     }
 }
 
