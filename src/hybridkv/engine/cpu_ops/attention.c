@@ -212,9 +212,10 @@ static void combine_part(void *ctx, long p, long P) {
  * included), the items of several units combined after. -1 when out of memory. */
 int attend(const attn_job *a) {
     long D = a->D, Hkv = a->Hkv, rep = a->rep, bs = a->bs, items = a->S * Hkv, units = 0, keys = 0;
+    long multi = 0; /* units of items with several */
     for (long i = 0; i < items; i++) { /* the new K/V first: a later unit of the item reads it */
-        long s = i / Hkv, g = i % Hkv, n = (long)(a->pos[s] - a->first[s] + 1);
-        units += (n + KEY_PART - 1) / KEY_PART, keys += n;
+        long s = i / Hkv, g = i % Hkv, n = (long)(a->pos[s] - a->first[s] + 1), k = (n + KEY_PART - 1) / KEY_PART;
+        units += k, keys += n, multi += k > 1 ? k : 0;
         if (a->k_new != NULL) {
             const int64_t *table = a->tables + s * a->table_stride;
             long p = (long)a->pos[s], slot = (long)table[p / bs] * bs + p % bs;
@@ -231,11 +232,6 @@ int attend(const attn_job *a) {
     if (parts < 1) parts = 1;
     attn_split c = {.a = a};
     size_t ints = (size_t)(2 * units + items + 1), floats = (size_t)(parts * rep * KEY_PART);
-    long multi = 0; /* units of items with several */
-    for (long s = 0; s < a->S; s++) {
-        long n = (long)(a->pos[s] - a->first[s] + 1), k = (n + KEY_PART - 1) / KEY_PART;
-        multi += k > 1 ? k * Hkv : 0;
-    }
     floats += multi ? (size_t)(units * rep * (D + 2)) : 0;
     char *buf = malloc(sizeof(long) * ints + sizeof(float) * floats);
     if (buf == NULL) return -1;

@@ -228,12 +228,7 @@ int qmatmul(const qweight *w, const float *x, long sx, long M, float *y, long sy
     }
     float *xp = malloc(sizeof(float) * (size_t)(M * w->K));
     if (xp == NULL) return -1;
-    for (long m = 0; m < M; m++) {
-        const float *xr = x + m * sx;
-        float *o = xp + m * w->K;
-        for (long k = 0; k < w->K; k += 32)
-            for (int i = 0; i < 16; i++) o[k + i] = xr[k + 2 * i], o[k + 16 + i] = xr[k + 2 * i + 1];
-    }
+    deinterleave_rows(x, sx, M, w->K, xp);
     j.xp = xp;
     pool_run(q4_part, &j, qm_parts(w->N * w->K / 2 * M / (M < 4 ? M : 4)));
     free(xp);

@@ -67,6 +67,18 @@ static inline void split_rows(long N, long p, long P, long *n0, long *n1) {
     if (*n0 > N) *n0 = N;
 }
 
+/* int4's fp32 inputs: rows x [M, K] (rows at + m * sx, K a multiple of 32) -> out [M, K]
+ * de-interleaved per 32 columns, the 16 even columns then the 16 odd ones (the order a row's
+ * 16 bytes of codes hold them in: low nibbles, then high) */
+static inline void deinterleave_rows(const float *x, long sx, long M, long K, float *out) {
+    for (long m = 0; m < M; m++) {
+        const float *xr = x + m * sx;
+        float *o = out + m * K;
+        for (long k = 0; k < K; k += 32)
+            for (int i = 0; i < 16; i++) o[k + i] = xr[k + 2 * i], o[k + 16 + i] = xr[k + 2 * i + 1];
+    }
+}
+
 /* parts worth splitting a job into: about 64 KB of weights each, at most the pool's threads */
 static inline long qm_parts(long bytes) {
     long parts = bytes / 65536 + 1;

@@ -212,13 +212,8 @@ int qmatmul_x16(qjob *j, int int4) {
     float *xd = (float *)(buf + sizeof(int16_t) * (size_t)(M * K32)), *xg = xd + M * nblk, *xp = xg + M * KG;
     const float *src = j->x;
     long ss = j->sx;
-    if (int4) { /* de-interleave per 32 columns: the 16 even ones, then the 16 odd ones */
-        for (long m = 0; m < M; m++) {
-            const float *r = j->x + m * j->sx;
-            float *o = xp + m * K;
-            for (long k = 0; k < K; k += 32)
-                for (int i = 0; i < 16; i++) o[k + i] = r[k + 2 * i], o[k + 16 + i] = r[k + 2 * i + 1];
-        }
+    if (int4) {
+        deinterleave_rows(j->x, j->sx, M, K, xp);
         src = xp, ss = K;
     }
     round_rows(src, ss, M, K, K32, blk, x16, xd);
