@@ -2,7 +2,7 @@
 models (accuracy is measured, not assumed).
 
     nice -n 10 python3 benchmarks/eval_parity.py [--quick] [--models gemma-3-270m,smollm2-135m]
-        [--precisions fp32,bf16,int8,int4] [--lengths 1024,2048,4096,8192] [--items-per-length N]
+        [--precisions fp32,bf16,int8,int4,kv-bf16,kv-fp16,int8-kv-bf16] [--lengths 1024,2048,4096,8192] [--items-per-length N]
         [--qa-items N] [--seed S] [--kv-budget 1GiB] [--threads N] [--hf] [--json PATH]
 
 vLLM accepted chunked local attention in its hybrid KV cache manager on an accuracy
@@ -20,7 +20,8 @@ and tokenizer. Precisions (``--precisions``, default all): ``fp32`` (float32 wei
 KV, no quantization: the engine's exact default and the reference), ``bf16`` (bfloat16
 weights, activations and KV), ``int8`` / ``int4`` (float32 model and KV, weight-only
 quantization: ``load_model(..., quantization=...)``, int8 per output channel, int4
-group-wise). Each model is loaded once per precision and that one load runs every item
+group-wise), ``kv-bf16`` / ``kv-fp16`` (float32 model, the KV cache in bfloat16 / float16:
+``--kv-cache-dtype``), ``int8-kv-bf16`` (both). Each model is loaded once per precision and that one load runs every item
 greedy twice through ``LLMEngine``, all items batched in one ``generate``: with the
 hybrid layout (``EngineConfig(dtype=..., quantization=...)``) and with every layer's KV
 kept as full attention (the same with ``hybrid=False``), both with a KV pool of
@@ -96,11 +97,13 @@ MODELS = {
 
 @dataclass(frozen=True)
 class Precision:
-    """A weight precision of the engine: the model / activation / KV dtype and the weight-only quantization."""
+    """A weight precision of the engine: the model / activation dtype, the weight-only quantization
+    and the KV cache's dtype (``kv_cache_dtype``: "auto" is ``dtype``)."""
 
     name: str
     dtype: str
     quantization: str | None
+    kv_cache_dtype: str = "auto"
 
 
 #: in run order; fp32 (the engine's exact default) is the reference of the agreement figures
@@ -109,6 +112,9 @@ PRECISIONS = {
     "bf16": Precision("bf16", "bfloat16", None),
     "int8": Precision("int8", "float32", "int8"),
     "int4": Precision("int4", "float32", "int4"),
+    "kv-bf16": Precision("kv-bf16", "float32", None, "bfloat16"),
+    "kv-fp16": Precision("kv-fp16", "float32", None, "float16"),
+    "int8-kv-bf16": Precision("int8-kv-bf16", "float32", "int8", "bfloat16"),
 }
 REFERENCE = "fp32"
 
@@ -171,7 +177,7 @@ def run_engine(
 
     config = EngineConfig(
         hybrid=hybrid, max_model_len=max_len, kv_cache_memory=args.kv_budget,
-        dtype=precision.dtype, quantization=precision.quantization,
+        dtype=precision.dtype, quantization=precision.quantization, kv_cache_dtype=precision.kv_cache_dtype,
     )
     engine = LLMEngine(causal_lm, config)
     params = [SamplingParams(max_tokens=item.max_tokens) for item in items]
@@ -456,7 +462,7 @@ def evaluate_model(model: EvalModel, args) -> dict[str, Any]:
         runs[name] = {
             "dtype": precision.dtype,
             "quantization": precision.quantization,
-            "kv_dtype": precision.dtype,
+            "kv_dtype": precision.dtype if precision.kv_cache_dtype == "auto" else precision.kv_cache_dtype,
             "load_s": load_s,
             "seconds": seconds,
             "engine": extras,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_RETENTION_INTERVAL, CacheManagerConfig
+from hybridkv.core.specs import kv_cache_dtype
 from hybridkv.errors import InvalidConfigError
 from hybridkv.scheduler.config import (
     DEFAULT_ADMISSION,
@@ -23,10 +24,12 @@ from hybridkv.scheduler.config import (
     SchedulerConfig,
 )
 
-__all__ = ["DEFAULT_ATTENTION_BACKEND", "DTYPES", "ENGINE_DEFAULTS", "EngineConfig", "QUANTIZATIONS"]
+__all__ = ["DEFAULT_ATTENTION_BACKEND", "DTYPES", "ENGINE_DEFAULTS", "EngineConfig", "KV_CACHE_DTYPES", "QUANTIZATIONS"]
 
 #: the engine dtypes (model weights and KV cache), the default first
 DTYPES = ("float32", "bfloat16", "float16")
+#: ``kv_cache_dtype`` values: "auto" (the engine's ``dtype``: :func:`~hybridkv.core.specs.kv_cache_dtype`) or a dtype
+KV_CACHE_DTYPES = ("auto", *DTYPES)
 #: ``attention_backend`` by default: the ``auto`` rule. Backend names and the rule live in the
 #: attention registry (:mod:`hybridkv.engine.attention.registry`), which checks a name when the engine is built
 DEFAULT_ATTENTION_BACKEND = "auto"
@@ -48,6 +51,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     group_size: int | None = None  # default: the planner's choice
     dtype: str = DTYPES[0]
+    #: the KV cache's dtype: "auto" (``dtype``) or one of :data:`DTYPES`, whatever the weights (``kv_dtype``)
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
     debug_checks: bool = False  # check every KV write for null-block slots
@@ -72,8 +77,15 @@ class EngineConfig:
             raise InvalidConfigError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise InvalidConfigError(f"attention_backend must be one of the attention backends' names, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not self.hybrid and self.group_size is not None:
             raise InvalidConfigError("group_size applies to the hybrid layout; with hybrid off all layers are one group")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's dtype in force: ``kv_cache_dtype``, "auto" being ``dtype``."""
+        return kv_cache_dtype(self.kv_cache_dtype, self.dtype)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's limits and policies (``max_model_len``: the one in force, resolved from the model)."""

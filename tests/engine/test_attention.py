@@ -68,14 +68,15 @@ def _dense_reference(q, k_all, v_all, positions, attn, scale, sinks=None, softca
 
 
 def _scenario(attn, block_size, seqs, seed=0, sinks=False, softcap=None, num_blocks=80, outputs=None,
-              backend="reference"):
+              backend="reference", kv_dtype=torch.float32):
     """seqs: [(num_computed, q_len)]. Builds random KV history, random tables, checks one step.
 
     outputs: also attend from only these sequences' last tokens (``keep``) and check those rows.
+    kv_dtype: the cache's (fp32 queries; the dense reference reads K/V rounded to it, as stored).
     """
     g = torch.Generator().manual_seed(seed)
     # the "cpu" backend's kernel runs without debug checks (with them, each step takes the reference path)
-    storage = PagedKVStorage([[0]], block_size, num_blocks, H_KV, D, debug=backend != "cpu")
+    storage = PagedKVStorage([[0]], block_size, num_blocks, H_KV, D, dtype=kv_dtype, debug=backend != "cpu")
     storage.fill_blocks(list(range(num_blocks)), float("nan"))  # anything not written reads as NaN
     free = torch.randperm(num_blocks - 1, generator=g).add(1).tolist()
     tables, hist = [], []
@@ -110,6 +111,7 @@ def _scenario(attn, block_size, seqs, seed=0, sinks=False, softcap=None, num_blo
     start = 0
     for (n, q_len), (k, v) in zip(seqs, hist):
         pos = torch.arange(n, n + q_len)
+        k, v = k.to(kv_dtype).float(), v.to(kv_dtype).float()
         want = _dense_reference(q[start : start + q_len], k, v, pos, attn, 0.3, sink, softcap)
         torch.testing.assert_close(out[start : start + q_len], want, atol=1e-5, rtol=1e-5)
         start += q_len
@@ -150,6 +152,25 @@ def test_decode_steps_match_dense(attn, block_size, backend, monkeypatch):
     for seed in range(3):
         _scenario(attn, block_size, ONE_QUERY[seed:], seed=seed, num_blocks=400, backend=backend)
     assert len(calls) == (3 if backend == "cpu" else 0)  # the fused kernel ran every decode step
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("attn", [FULL, AttentionType("sliding", 7), AttentionType("chunked", 10)],
+                         ids=lambda a: f"{a.kind}{a.size or ''}")
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_half_cache_under_fp32_queries_matches_dense(attn, backend, kv_dtype, monkeypatch):
+    """--kv-cache-dtype: an fp32 model over a bf16 / fp16 cache, in mixed steps (the reference path)
+    and decode steps (the cpu backend's C kernel, which writes the new K/V rounded as torch does),
+    against the dense fp64 attention over the K/V as stored."""
+    from hybridkv.engine import cpu_ops
+
+    calls = []
+    kernel = cpu_ops.decode_attention
+    monkeypatch.setattr(cpu_ops, "decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    _scenario(attn, 4, SEQS, backend=backend, kv_dtype=kv_dtype)
+    for seed in range(2):
+        _scenario(attn, [1, 8][seed], ONE_QUERY[seed:], seed=seed, num_blocks=400, backend=backend, kv_dtype=kv_dtype)
+    assert len(calls) == (2 if backend == "cpu" else 0)
 
 
 # long prefills (several chunk / window pieces, history reads, several buckets) next to decodes

@@ -92,15 +92,21 @@ def kernel_threads(request):
     cpu_ops.load().set_threads(before)
 
 
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("seed", range(10))
-def test_decode_attention_writes_then_attends_through_random_tables(seed, kernel_threads):
+def test_decode_attention_writes_then_attends_through_random_tables(seed, kernel_threads, kv_dtype):
+    """Every cache dtype: the new K/V stored as torch's ``.to(dtype)`` rounds it, the attention
+    against a dense fp64 reference over the stored (widened) values."""
     g = torch.Generator().manual_seed(seed)
     hkv, rep = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
     d, bs = [8, 16, 64, 80][seed % 4], [1, 3, 4, 16][seed % 4]
     s = int(torch.randint(1, 11, (1,), generator=g))
     width = 12
     num_blocks = s * width + 1
-    kv = torch.randn(2 * hkv, num_blocks * bs, d, generator=g)
+    kv = torch.randn(2 * hkv, num_blocks * bs, d, generator=g).to(kv_dtype)
     tables = (torch.randperm(num_blocks - 1, generator=g)[: s * width] + 1).view(s, width)
     pos = torch.randint(0, width * bs, (s,), generator=g)
     first = (pos - torch.randint(0, width * bs, (s,), generator=g)).clamp(min=0)
@@ -111,13 +117,13 @@ def test_decode_attention_writes_then_attends_through_random_tables(seed, kernel
     for i in range(s):
         p = int(pos[i])
         slot = int(tables[i, p // bs]) * bs + p % bs
-        want_kv[:hkv, slot], want_kv[hkv:, slot] = k_new[i], v_new[i]
+        want_kv[:hkv, slot], want_kv[hkv:, slot] = k_new[i].to(kv_dtype), v_new[i].to(kv_dtype)
     out = cpu_ops.decode_attention(q, k_new, v_new, kv, tables, first, pos, bs, 0.37)
     assert torch.equal(kv, want_kv)
     for i in range(s):
         ps = torch.arange(int(first[i]), int(pos[i]) + 1)
         slots = tables[i, ps // bs] * bs + ps % bs
-        k, v = kv[:hkv, slots].transpose(0, 1), kv[hkv:, slots].transpose(0, 1)  # [n, Hkv, D]
+        k, v = kv[:hkv, slots].transpose(0, 1).float(), kv[hkv:, slots].transpose(0, 1).float()  # [n, Hkv, D]
         torch.testing.assert_close(out[i], _dense(q[i], k, v, 0.37), rtol=1e-4, atol=1e-5)
     again = cpu_ops.decode_attention(q, None, None, kv, tables, first, pos, bs, 0.37)  # nothing written
     torch.testing.assert_close(again, out, rtol=0, atol=0)
@@ -128,14 +134,16 @@ def test_decode_attention_over_long_ranges_is_the_same_on_any_thread_count(seed)
     """Key ranges of up to ~1,600 keys (the kernel cuts each (sequence, KV head)'s keys into
     units of 256 and combines their softmax pieces): one KV head and one sequence included (all
     its units spread over the threads), windows that start mid-block and mid-unit, every block
-    size; against a dense fp64 reference, and bit for bit the same on 1, 2 and 3 threads."""
+    size, each cache dtype in turn; against a dense fp64 reference, and bit for bit the same on
+    1, 2 and 3 threads."""
     g = torch.Generator().manual_seed(100 + seed)
+    kv_dtype = KV_DTYPES[seed % 3]
     hkv, rep = [1, 1, 2, 3][seed % 4], int(torch.randint(1, 5, (1,), generator=g))
     d, bs = [8, 64, 16, 80][seed % 4], [1, 16, 5, 32][seed % 4]
     s = 1 if seed % 2 == 0 else int(torch.randint(2, 6, (1,), generator=g))
     width = -(-1600 // bs)
     num_blocks = s * width + 1
-    kv = torch.randn(2 * hkv, num_blocks * bs, d, generator=g)
+    kv = torch.randn(2 * hkv, num_blocks * bs, d, generator=g).to(kv_dtype)
     tables = (torch.randperm(num_blocks - 1, generator=g)[: s * width] + 1).view(s, width)
     pos = torch.randint(200, width * bs, (s,), generator=g)
     pos[0] = width * bs - 1
@@ -157,14 +165,46 @@ def test_decode_attention_over_long_ranges_is_the_same_on_any_thread_count(seed)
     for i in range(s):
         ps = torch.arange(int(first[i]), int(pos[i]) + 1)
         slots = tables[i, ps // bs] * bs + ps % bs
-        k, v = cache[:hkv, slots].transpose(0, 1), cache[hkv:, slots].transpose(0, 1)
+        k, v = cache[:hkv, slots].transpose(0, 1).float(), cache[hkv:, slots].transpose(0, 1).float()
         torch.testing.assert_close(outs[0][i], _dense(q[i], k, v, 0.21), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_decode_attention_rounds_the_new_kv_as_torch_does(kv_dtype):
+    """The C write's fp32 -> bf16 / fp16 rounding is torch's, bit for bit, over random bit
+    patterns (every exponent: subnormals, overflow to inf, inf, nan) and the halfway cases."""
+    g = torch.Generator().manual_seed(7)
+    bits = torch.randint(-2**31, 2**31, (8192,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    ulp_half = {torch.bfloat16: 1 << 15, torch.float16: 1 << 12}[kv_dtype]  # halfway between two neighbours
+    ties = (torch.randint(0, 2**23, (2048,), generator=g).to(torch.int32) & ~(2 * ulp_half - 1)) | ulp_half
+    ties = (ties | (torch.randint(100, 160, (2048,), generator=g).to(torch.int32) << 23)).view(torch.float32)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, 65520.0, 65519.0, 6e-8,
+                            3e-8, 2.9e-8, 1e-40, -1e-45, 3.4e38])
+    values = torch.cat([x, ties, -ties, special])
+    d = 16
+    values = torch.cat([values, values.new_zeros((-values.numel()) % d)])
+    n = values.numel() // d
+    kv = torch.zeros(2, (n + 1) * 1, d, dtype=kv_dtype)
+    for t in range(n):
+        k_new = values[t * d:(t + 1) * d].view(1, 1, d)
+        table = torch.tensor([[t + 1]])
+        at = torch.tensor([0])
+        cpu_ops.decode_attention(torch.zeros(1, 1, d), k_new, -k_new, kv, table, at, at, 1, 1.0)
+    want = values.view(n, d).to(kv_dtype)
+    got_k, got_v = kv[0, 1:], kv[1, 1:]
+    nan = want.isnan()
+    assert torch.equal(got_k.isnan(), nan) and torch.equal(got_v.isnan(), nan)
+    assert torch.equal(got_k.view(torch.int16)[~nan], want.view(torch.int16)[~nan])  # signed zeros, infs too
+    assert torch.equal(got_v.view(torch.int16)[~nan], (-values.view(n, d)).to(kv_dtype).view(torch.int16)[~nan])
 
 
 def test_the_kernels_refuse_tensors_they_cannot_read():
     kv, tables, at = torch.zeros(2, 32, 8), torch.tensor([[1]]), torch.tensor([0])
     with pytest.raises(ValueError, match="expected torch.float32"):
-        cpu_ops.decode_attention(torch.zeros(1, 1, 8), None, None, kv.bfloat16(), tables, at, at, 4, 1.0)
+        cpu_ops.decode_attention(torch.zeros(1, 1, 8), None, None, kv.double(), tables, at, at, 4, 1.0)
+    with pytest.raises(ValueError, match="expected torch.float32"):
+        cpu_ops.decode_attention(torch.zeros(1, 1, 8).bfloat16(), None, None, kv.bfloat16(), tables, at, at, 4, 1.0)
     with pytest.raises(ValueError, match="expected torch.int64"):
         cpu_ops.decode_attention(torch.zeros(1, 1, 8), None, None, kv, tables.int(), at, at, 4, 1.0)
     with pytest.raises(ValueError, match="unit strides"):

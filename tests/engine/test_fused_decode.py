@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason=f"cpu kernels una
 PROMPTS = ([5, 9, 2, 7], list(range(3, 40)), [11] * 9, list(range(50, 63)))
 
 
-def _run(model, quant: str, fused: bool, max_tokens: int = 14):
+def _run(model, quant: str, fused: bool, max_tokens: int = 14, kv_cache_dtype: str = "auto"):
     """Greedy tokens and every step's logits of PROMPTS (two arrive later: decode steps of
     1..4 sequences, mixed steps), the fused path on or off."""
     keep = model.fused_decode
@@ -36,7 +36,7 @@ def _run(model, quant: str, fused: bool, max_tokens: int = 14):
         keep.run = counted
     try:
         engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=128, max_model_len=96, quantization=quant,
-                                               attention_backend="cpu"))
+                                               attention_backend="cpu", kv_cache_dtype=kv_cache_dtype))
         tokens, logits = {}, []
         for i, prompt in enumerate(PROMPTS[:2]):
             engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=f"r{i}")
@@ -61,17 +61,19 @@ def _run(model, quant: str, fused: bool, max_tokens: int = 14):
 CASES = [(arch, quant, compute) for arch in ("llama", "gemma3") for quant in ("int8", "int4")
          for compute in (torch.bfloat16, torch.float32)]
 CASES += [("mistral", "int4", torch.bfloat16), ("qwen3_plain", "int8", torch.bfloat16)]  # sliding; q/k norms
+CASES = [(*case, "auto") for case in CASES]
+CASES += [("gemma3", "int8", torch.float32, "bfloat16"), ("llama", "int4", torch.float32, "float16")]  # half caches
 
 
-@pytest.mark.parametrize("arch,quant,compute", slow_except(CASES, 4, 6, multi=True))  # the fast tier: gemma3 int8 / int4, bf16
-def test_fused_decode_is_the_per_layer_path_bit_for_bit(tiny_models, arch, quant, compute):
+@pytest.mark.parametrize("arch,quant,compute,kv", slow_except(CASES, 4, 6, 10, multi=True))  # fast: gemma3 int8 / int4 bf16, bf16 KV
+def test_fused_decode_is_the_per_layer_path_bit_for_bit(tiny_models, arch, quant, compute, kv):
     path, _ = tiny_models(arch)
     model = load_model(path)
     model.quantize_weights(quant, compute_dtype=compute)
     assert isinstance(model.fused_decode, FusedDecode), "the loader's fast path describes these layers"
-    fused_tokens, fused_logits, calls = _run(model, quant, fused=True)
+    fused_tokens, fused_logits, calls = _run(model, quant, fused=True, kv_cache_dtype=kv)
     assert calls >= 10  # most steps are decode steps
-    tokens, logits, _ = _run(model, quant, fused=False)
+    tokens, logits, _ = _run(model, quant, fused=False, kv_cache_dtype=kv)
     assert fused_tokens == tokens
     assert len(fused_logits) == len(logits)
     for a, b in zip(fused_logits, logits):
@@ -149,8 +151,8 @@ def test_a_plan_that_does_not_fit_together_is_refused(tiny_models):
     plan = fused._layer_plan(meta.storage)
     record = fused_decode._RECORD
     good = bytes(plan.numpy())
-    for field, value in ((1, 0), (1, 5), (10, 7), (16, 3), (19, 16), (21, 1)):  # Hkv 0 / not dividing Hq, rope
-        # index, weight kind, int4 group, weight rows
+    for field, value in ((1, 0), (1, 5), (10, 7), (16, 3), (17, 3), (20, 16), (22, 1)):  # Hkv 0 / not dividing
+        # Hq, rope index, KV cache type, weight kind, int4 group, weight rows
         fields = list(record.unpack_from(good, record.size))  # the second layer
         fields[field] = value
         bad = bytearray(good)
@@ -161,7 +163,7 @@ def test_a_plan_that_does_not_fit_together_is_refused(tiny_models):
             run(h, rope, meta)
         assert torch.equal(h, hidden)
     fused._plan = (fused._plan[0], plan)
-    assert struct.calcsize("<16q28q2d") == record.size
+    assert struct.calcsize("<17q28q2d") == record.size
 
 
 def test_torch_gets_the_cores_back_when_the_engine_is_idle(tiny_models):

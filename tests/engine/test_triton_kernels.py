@@ -57,7 +57,9 @@ def make_case(rng, kind, size, page, seqs, hq, hkv, d, dtype, num_blocks):
 
 
 def run_step(seed, kind, size, page, seqs, hq=4, hkv=2, d=16, dtype=torch.float32, sinks=False,
-             softcap=None, num_splits=None, outputs_only=False):
+             softcap=None, num_splits=None, outputs_only=False, query_dtype=None):
+    """``dtype``: the cache's (and by default the query's; ``query_dtype``: an fp32 model over a
+    bf16 / fp16 cache, ``--kv-cache-dtype``)."""
     rng = random.Random(seed)
     num_blocks = sum(-(-(n + q) // page) for n, q in seqs) + 3
     k_cache, v_cache, table, hist = make_case(rng, kind, size, page, seqs, hq, hkv, d, dtype, num_blocks)
@@ -65,7 +67,7 @@ def run_step(seed, kind, size, page, seqs, hq=4, hkv=2, d=16, dtype=torch.float3
     starts = [n for n, _ in seqs]
     q_lens = [q for _, q in seqs]
     num_tokens = sum(q_lens)
-    query = torch.randn(num_tokens, hq, d, generator=gen).to(dtype)
+    query = torch.randn(num_tokens, hq, d, generator=gen).to(query_dtype or dtype)
     sink = torch.randn(hq, generator=gen) * 2 if sinks else None
     scale = 0.7 / d**0.5
     # this step's K/V: one write of all T tokens
@@ -152,9 +154,10 @@ def test_split_decode_padded_rows_are_zero():
 
 
 @pytest.mark.parametrize("dtype", slow_except([torch.bfloat16, torch.float16], 0))
-def test_half_storage(dtype):
-    run_step(3, "sliding", 9, 8, [(0, 11), (30, 1), (12, 5)], dtype=dtype, d=32)
-    run_step(4, "full", None, 8, [(20, 1), (9, 1)], dtype=dtype, d=32, num_splits=2)
+@pytest.mark.parametrize("query_dtype", slow_except([None, torch.float32], 1), ids=["same", "fp32-query"])
+def test_half_storage(dtype, query_dtype):
+    run_step(3, "sliding", 9, 8, [(0, 11), (30, 1), (12, 5)], dtype=dtype, d=32, query_dtype=query_dtype)
+    run_step(4, "full", None, 8, [(20, 1), (9, 1)], dtype=dtype, d=32, num_splits=2, query_dtype=query_dtype)
 
 
 def test_head_size_256_and_gqa_8():

@@ -8,8 +8,9 @@ import argparse
 import importlib
 
 from hybridkv.cli.options import int_range, memory, tokens
+from hybridkv.core.specs import kv_cache_dtype
 from hybridkv.engine.attention.registry import backend_names, resolve_backend
-from hybridkv.engine_config import DTYPES, ENGINE_DEFAULTS as D, QUANTIZATIONS
+from hybridkv.engine_config import DTYPES, ENGINE_DEFAULTS as D, KV_CACHE_DTYPES, QUANTIZATIONS
 from hybridkv.errors import InvalidConfigError, PoolTooSmallError
 from hybridkv.planner.sizes import format_bytes
 
@@ -22,7 +23,12 @@ def add_engine_options(p: argparse.ArgumentParser, *, max_num_seqs_default: str)
     """The engine's options, shared by ``generate`` and ``serve`` (:func:`engine_config` reads them)."""
     p.add_argument("--no-hybrid", action="store_true",
                    help="keep every layer's KV as full attention (the all-full layout, for comparison; default: hybrid)")
-    p.add_argument("--dtype", choices=DTYPES, default=D["dtype"], help=f"model and KV cache dtype (default {D['dtype']})")
+    p.add_argument("--dtype", choices=DTYPES, default=D["dtype"],
+                   help=f"model dtype, and the KV cache's unless --kv-cache-dtype (default {D['dtype']})")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=D["kv_cache_dtype"],
+                   help="the KV cache's dtype, for any weights (--quantization included): auto is --dtype's; "
+                        "bfloat16 / float16 halve float32's bytes a token (attention computed in float32 over "
+                        f"the stored values; default {D['kv_cache_dtype']})")
     p.add_argument("--block-size", type=int_range(1), default=D["block_size"],
                    help=f"tokens per KV cache block (default {D['block_size']})")
     p.add_argument("--num-blocks", type=int_range(2, why=" (the null block and one usable)"), default=None,
@@ -68,7 +74,7 @@ def engine_config(args: argparse.Namespace, max_num_seqs: int):
         quantization=args.quantization,
         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs or max_num_seqs, dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs or max_num_seqs, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens, hybrid=not args.no_hybrid,
         prefix_cache_retention_interval=args.prefix_cache_retention_interval,
     )
@@ -122,6 +128,7 @@ def check_kv_pool_fits(args: argparse.Namespace, config: dict, label: str) -> No
     from hybridkv.engine.kv_layout import KVLayout
 
     layout = KVLayout.plan(config, label=label, block_size=args.block_size, dtype=args.dtype,
+                               kv_dtype=kv_cache_dtype(args.kv_cache_dtype, args.dtype),
                                max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                                hybrid=not args.no_hybrid, memory_bytes=args.kv_cache_memory)
     if args.num_blocks is None and args.kv_cache_memory is None:

@@ -7,7 +7,10 @@ CONFIG_OR_PRESET is a bundled preset (see ``hybridkv.planner.presets``), a
 ``config.json`` path, or a directory holding one. Sizes: ``--memory`` takes explicit
 units (80GiB = 80 * 2**30, 80GB = 80 * 10**9); ``--max-model-len`` follows vLLM
 (1k = 1000, 1K = 1024, 1m = 10**6, 1M = 2**20) and defaults to the model's
-``max_position_embeddings``.
+``max_position_embeddings``. The KV cache's dtype follows the engine's rule
+(:func:`~hybridkv.core.specs.kv_cache_dtype`): ``--kv-cache-dtype auto`` is the model's dtype,
+here the config's unless ``--dtype`` says; ``generate`` / ``serve`` run float32 by default, so
+``--dtype float32`` plans what they allocate.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 from hybridkv.cli import write_out
 from hybridkv.cli.options import int_range, memory, tokens
 from hybridkv.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from hybridkv.core.specs import kv_cache_dtype
 from hybridkv.planner.plan import plan_model
 from hybridkv.planner.presets import preset_names
 from hybridkv.planner.report import plan_to_dict, render_plan
@@ -43,7 +47,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--max-num-batched-tokens", type=int_range(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                         help="tokens the scheduler computes per step; a prefill chunk this long sits on top of a "
                         f"window / chunk in the per-request bound (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
-    parser.add_argument("--dtype", default=None, help="KV cache dtype, e.g. bfloat16, fp8 (default: the config's)")
+    parser.add_argument("--dtype", default=None,
+                        help="the model's dtype, e.g. bfloat16 (default: the config's, as vLLM's --dtype auto; "
+                        "hybridkv's engine runs float32 unless told)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="the KV cache's dtype, e.g. bfloat16, float32, fp8: auto is the model's (--dtype), the "
+                        "rule generate / serve follow (default auto)")
     parser.add_argument("--no-hybrid", action="store_true",
                         help="use the all-full-attention layout (hybrid KV cache management off; default on)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (default: a table)")
@@ -57,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         memory=args.memory,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
-        dtype=args.dtype,
+        dtype=kv_cache_dtype(args.kv_cache_dtype, args.dtype),
         hybrid=not args.no_hybrid,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )

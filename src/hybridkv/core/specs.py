@@ -37,6 +37,7 @@ __all__ = [
     "DTYPE_BYTES",
     "DTYPE_ALIASES",
     "canonical_dtype",
+    "kv_cache_dtype",
     "dtype_bytes",
     "cdiv",
     "span_blocks",
@@ -66,6 +67,18 @@ DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half
 def canonical_dtype(dtype: object) -> object:
     """``"bf16"`` -> ``"bfloat16"``: an alias of :data:`DTYPE_ALIASES` resolved, anything else as given."""
     return DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+
+
+def kv_cache_dtype(kv_cache_dtype: str, model_dtype: str | None) -> str | None:
+    """The KV cache's dtype (vLLM's ``--kv-cache-dtype`` rule, the one place it lives):
+    ``"auto"`` stores the model's dtype (``model_dtype``: the engine's ``--dtype``, or in ``plan``
+    the config's, None meaning "the config's, not known here"); any other name (aliases resolved)
+    is stored as such, whatever the weights are: ``("auto", "float32") -> "float32"``,
+    ``("bf16", "float32") -> "bfloat16"``. An unknown name raises InvalidSpecError."""
+    if kv_cache_dtype == "auto":
+        return None if model_dtype is None else canonical_dtype(model_dtype)
+    dtype_bytes(kv_cache_dtype)  # a known dtype, or InvalidSpecError
+    return canonical_dtype(kv_cache_dtype)
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -129,9 +129,9 @@ class LLMEngine:
             )
         self.max_model_len = config.max_model_len or m.max_position_embeddings
         memory = None if config.kv_cache_memory is None else parse_bytes(config.kv_cache_memory)
-        #: the caches, groups and pool arithmetic (the planner's, at this engine's dtype)
+        #: the caches, groups and pool arithmetic (the planner's, at this engine's dtypes: KV at config.kv_dtype)
         self.layout = layout = KVLayout.plan(
-            m.config, family=m.family, block_size=config.block_size, dtype=config.dtype,
+            m.config, family=m.family, block_size=config.block_size, dtype=config.dtype, kv_dtype=config.kv_dtype,
             max_model_len=self.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
             hybrid=config.hybrid, group_size=config.group_size, memory_bytes=memory,
         )
@@ -155,7 +155,7 @@ class LLMEngine:
             num_blocks,
             m.num_kv_heads,
             m.head_dim,
-            dtype=config.dtype,
+            dtype=config.kv_dtype,
             device=config.device,
             debug=config.debug_checks,
         )

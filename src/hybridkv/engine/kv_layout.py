@@ -4,7 +4,8 @@ One reading of the config for the engine and ``hybridkv generate``'s checks befo
 model loads (torch-free, though it sits in the engine package):
 
 * the caches: :func:`~hybridkv.planner.model_layers` with the engine's dtypes (:func:`engine_layers`):
-  attention KV and conv states in the engine's ``dtype``, recurrent states in float32
+  attention KV in the KV cache dtype (``kv_dtype``, by default the engine's ``dtype``), conv
+  states in the engine's ``dtype``, recurrent states in float32
   (the engine's Gated DeltaNet keeps them so), so a state page counts what the engine stores;
 * the block size: the planner's, which a state page may raise above the requested one
   (:func:`~hybridkv.core.state_spec.unify_page_sizes`);
@@ -53,11 +54,12 @@ DEFAULT_POOL_CAP_BYTES = 1 << 30
 
 
 def engine_layers(config: Mapping[str, Any], *, family: str, block_size: int, dtype: str,
-                  label: str = "config") -> ModelLayers:
-    """The planner's caches of a language model's flat ``config`` as the engine stores them at ``dtype``."""
+                  label: str = "config", kv_dtype: str | None = None) -> ModelLayers:
+    """The planner's caches of a language model's flat ``config`` as the engine stores them: the
+    model at ``dtype`` (conv states), attention KV at ``kv_dtype`` (None: ``dtype``)."""
     stored = {**config, "dtype": dtype, "mamba_ssm_dtype": ENGINE_SSM_DTYPE}
     stored.pop("torch_dtype", None)
-    return model_layers(stored, family=family, label=label, block_size=block_size, dtype=dtype)
+    return model_layers(stored, family=family, label=label, block_size=block_size, dtype=kv_dtype or dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,14 +90,16 @@ class KVLayout:
         hybrid: bool = True,
         group_size: int | None = None,
         memory_bytes: int | None = None,
+        kv_dtype: str | None = None,
     ) -> "KVLayout":
         """``config``: a ``config.json`` (``family`` None: found from it, multimodal ones
         flattened) or a model's flat config with its ``family``. ``max_model_len`` None:
-        the config's ``max_position_embeddings``."""
+        the config's ``max_position_embeddings``. ``kv_dtype``: the attention KV's dtype
+        (None: ``dtype``, the engine's)."""
         if family is None:
             family = find_family(config, label)[0].name
             config = language_model_config(config, family=family, label=label)
-        layers = engine_layers(config, family=family, block_size=block_size, dtype=dtype, label=label)
+        layers = engine_layers(config, family=family, block_size=block_size, dtype=dtype, label=label, kv_dtype=kv_dtype)
         max_len = max_model_len or layers.max_position_embeddings or DEFAULT_MAX_POSITION_EMBEDDINGS
         budget = max_num_batched_tokens
         full = full_attention_grouping(layers, max_len, budget, memory_bytes=memory_bytes)

@@ -1,11 +1,12 @@
 """The ``cpu`` attention backend: decode steps through the fused C kernel, the rest as the reference.
 
-A step in which every sequence computes one token (a decode step) with fp32 queries and KV, no
+A step in which every sequence computes one token (a decode step) with fp32 queries, an fp32,
+bf16 or fp16 KV cache, no
 learned sinks, no soft-capping and every row's output wanted runs
 :func:`~hybridkv.engine.cpu_ops.decode_attention`: each sequence's new K/V written to its slot,
 then its query attends to the keys ``first_key(p) .. p`` of its attention type read straight
 through the block table (no gathered copy, no padding, no mask). Anything else (prefill chunks,
-bf16 KV, sinks, ``storage.debug`` checks) takes the reference path, as do all steps where the
+bf16 queries, sinks, ``storage.debug`` checks) takes the reference path, as do all steps where the
 kernels cannot be built. Results equal the reference's up to float rounding (the kernel sums in
 another order and uses a polynomial ``exp``): tests/engine/test_attention.py runs both against
 the same dense reference. The backend also offers the fused decode step of a whole quantized
@@ -44,7 +45,7 @@ class CpuState(ReferenceState):
 
 
 class CpuBackend(AttentionBackend):
-    """Decode steps in C on the CPU (fp32); everything else through the reference."""
+    """Decode steps in C on the CPU (fp32 queries; fp32 / bf16 / fp16 KV); everything else through the reference."""
 
     name = "cpu"
     decode_stack = True
@@ -76,7 +77,7 @@ class CpuBackend(AttentionBackend):
             and softcap is None
             and keep is None
             and not storage.debug
-            and storage.dtype == torch.float32
+            and storage.dtype in cpu_ops.KV_TYPES
             and query.dtype == torch.float32
             and key.dtype == torch.float32
             and meta.is_decode()

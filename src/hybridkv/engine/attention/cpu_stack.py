@@ -13,7 +13,8 @@ plain residual layer, Gemma 3's sandwich norms) with an attention that does
 (:meth:`LlamaAttention.decode_parts`: rotate-half RoPE, optional per-head q/k norms, no
 biases or sinks) and a gated MLP with a fused kernel activation, every matrix quantized.
 A model with any other layer keeps the per-layer path. Which steps: decode steps (one query
-per sequence) on the ``cpu`` attention backend with fp32 KV and rows, every row an output;
+per sequence) on the ``cpu`` attention backend with fp32 rows (any KV dtype the C attention
+reads), every row an output;
 anything else runs the layers' ``forward``.
 """
 
@@ -31,8 +32,8 @@ from hybridkv.engine.attention.types import AttentionType
 
 __all__ = ["FusedDecode"]
 
-#: the C plan's per-layer record (decode_stack.c): 16 int64, 4 weights of 7 int64, 2 doubles
-_RECORD = struct.Struct("<16q28q2d")
+#: the C plan's per-layer record (decode_stack.c): 17 int64, 4 weights of 7 int64, 2 doubles
+_RECORD = struct.Struct("<17q28q2d")
 
 
 class FusedDecode:
@@ -73,7 +74,7 @@ class FusedDecode:
                 p["num_heads"], p["num_kv_heads"], p["head_dim"], p["hidden"], p["intermediate"],
                 ptr(p["ln1"]), ptr(p["ln2"]), ptr(p["post_attn"]), ptr(p["post_ff"]), ptr(p["qk_norm"]),
                 self.ropes.index(p["rope"]), self.attns.index(p["attn"]), storage.group_of(p["layer"]),
-                kv.data_ptr(), kv.shape[1], cpu_ops.ACTIVATIONS[p["act"]],
+                kv.data_ptr(), kv.shape[1], cpu_ops.ACTIVATIONS[p["act"]], cpu_ops.KV_TYPES[storage.dtype],
                 *p["qkv"].kernel_fields(), *p["o"].kernel_fields(), *p["gate_up"].kernel_fields(),
                 *p["down"].kernel_fields(), p["eps"], p["scale"],
             ))
@@ -83,13 +84,13 @@ class FusedDecode:
 
     def accepts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step can run fused: a decode step on a backend with the ``decode_stack``
-        capability (the ``cpu`` backend), fp32 rows and KV."""
+        capability (the ``cpu`` backend), fp32 rows, an fp32 / bf16 / fp16 KV cache."""
         storage = meta.storage
         return (
             meta.backend.decode_stack
             and hidden.dtype == torch.float32
             and hidden.is_contiguous()
-            and storage.dtype == torch.float32
+            and storage.dtype in cpu_ops.KV_TYPES
             and not storage.debug
             and meta.output_rows() is None
             and meta.is_decode()

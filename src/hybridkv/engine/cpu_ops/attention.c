@@ -8,14 +8,19 @@
  *
  * Worked example: 600 keys, KEY_PART 256 -> units of keys 0-255, 256-511, 512-599; each unit u
  * leaves (m_u, l_u, o_u) = (max score, sum e^(score - m_u), sum e^(score - m_u) v); with
- * M = max m_u the output is sum e^(m_u - M) o_u / sum e^(m_u - M) l_u, the softmax of all 600. */
+ * M = max m_u the output is sum e^(m_u - M) o_u / sum e^(m_u - M) l_u, the softmax of all 600.
+ *
+ * The cache may hold fp32, bf16 or fp16 (attn_job.kv_type): a bf16 / fp16 run of up to RUN keys is
+ * widened to fp32 once (exactly: every bf16 / fp16 value is an fp32 one) and then read by the fp32
+ * loops, so the scores are those of the fp32 query against the stored keys; the new K/V is rounded
+ * to the cache's type as torch's .to(dtype) rounds it. */
 #include "cpu_ops.h"
 
 int attend_check(const attn_job *a, char *err, size_t size) {
     long bs = a->bs;
-    if (bs < 1 || a->Hkv < 1 || a->rep < 1 || a->D < 1 || a->S < 0) {
-        snprintf(err, size, "bad attention shapes: block size %ld, %ld KV heads x %ld, head size %ld", bs, a->Hkv,
-                 a->rep, a->D);
+    if (bs < 1 || a->Hkv < 1 || a->rep < 1 || a->D < 1 || a->S < 0 || a->kv_type < KV_F32 || a->kv_type > KV_F16) {
+        snprintf(err, size, "bad attention shapes: block size %ld, %ld KV heads x %ld, head size %ld, KV type %ld", bs,
+                 a->Hkv, a->rep, a->D, a->kv_type);
         return -1;
     }
     for (long s = 0; s < a->S; s++) {
@@ -41,6 +46,8 @@ int attend_check(const attn_job *a, char *err, size_t size) {
  * key range, never by the thread count, so the result does not depend on how many threads ran) */
 #define KEY_PART 256
 #define MAX_PARTS 64
+/* keys of a bf16 / fp16 cache widened to fp32 at a time (a thread's scratch: RUN rows of D) */
+#define RUN 16
 
 /* A job's units: unit u = (item, the keys k0 .. k1 of its sequence), item i = (sequence s, KV
  * head g) = (i / Hkv, i % Hkv), its units in key order. An item of one unit writes its output
@@ -49,7 +56,7 @@ int attend_check(const attn_job *a, char *err, size_t size) {
 typedef struct {
     const attn_job *a;
     long *item_of, *k0, *first_unit; /* [units], [units], [items + 1] */
-    float *sc;                       /* per thread part: [rep, KEY_PART] scores */
+    float *sc;                       /* per thread part: [rep, KEY_PART] scores, then [RUN, D] rows */
     float *part;                     /* [units, rep, D + 2] */
     long bounds[MAX_PARTS + 1];      /* thread part p: units bounds[p] .. bounds[p + 1] */
     long ibounds[MAX_PARTS + 1];     /* combine part p: items ibounds[p] .. ibounds[p + 1] */
@@ -123,21 +130,57 @@ static void values_run(const float *w, const float *v, long len, long D, float *
         }
 }
 
+/* dst[0 .. count) = the count bf16 / fp16 (type) values at src, widened to fp32 (exact) */
+static void widen(const void *src, long type, long count, float *dst) {
+    const uint16_t *h = src;
+    long i = 0;
+    if (type == KV_BF16) {
+#ifdef ATT_AVX2
+        for (; i + 8 <= count; i += 8) {
+            __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + i)));
+            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
+        }
+#endif
+        for (; i < count; i++) dst[i] = bf16_to_f32(h[i]);
+    } else {
+#ifdef ATT_AVX2
+        for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+        for (; i < count; i++) dst[i] = f16_to_f32(h[i]);
+    }
+}
+
+/* the fp32 rows of the len keys (or values) from position lo of block id blk in the head's rows
+ * `head` (element size esz): the cache itself when fp32, else widened into tmp */
+static const float *key_rows(const attn_job *a, const char *head, long blk, long off, long len, float *tmp) {
+    long D = a->D, esz = a->kv_type == KV_F32 ? 4 : 2;
+    const char *src = head + (blk * a->bs + off) * D * esz;
+    if (a->kv_type == KV_F32) return (const float *)src;
+    widen(src, a->kv_type, len * D, tmp);
+    return tmp;
+}
+
 /* unit u: scores of the rep query heads against its keys, their softmax pieces, the output
  * (one unit) or the partial sums (several) */
-static void attend_unit(const attn_split *c, long u, float *sc) {
+static void attend_unit(const attn_split *c, long u, float *sc, float *tmp) {
     const attn_job *a = c->a;
     long D = a->D, rep = a->rep, Hkv = a->Hkv, bs = a->bs, num_slots = a->num_slots, Hq = Hkv * rep;
     long i = c->item_of[u], s = i / Hkv, g = i % Hkv;
     const int64_t *table = a->tables + s * a->table_stride;
     long p0 = c->k0[u], p_last = (long)a->pos[s];
     long p1 = p0 + KEY_PART - 1 < p_last ? p0 + KEY_PART - 1 : p_last, n = p1 - p0 + 1;
+    long esz = a->kv_type == KV_F32 ? 4 : 2, run = a->kv_type == KV_F32 ? bs : RUN;
     const float *qg = a->q + s * a->q_sS + g * rep * a->q_sH;
-    const float *kg = a->kv + g * num_slots * D, *vg = a->kv + (Hkv + g) * num_slots * D;
-    for (long b = p0 / bs, j = 0; b <= p1 / bs; b++) { /* scores [rep, n], block by block */
+    const char *kg = (const char *)a->kv + g * num_slots * D * esz;
+    const char *vg = (const char *)a->kv + (Hkv + g) * num_slots * D * esz;
+    for (long b = p0 / bs, j = 0; b <= p1 / bs; b++) { /* scores [rep, n], block by block, run by run */
         long lo = b * bs > p0 ? b * bs : p0, hi = (b + 1) * bs <= p1 ? (b + 1) * bs : p1 + 1;
-        scores_run(qg, a->q_sH, rep, kg + ((long)table[b] * bs + (lo - b * bs)) * D, hi - lo, D, a->scale, sc + j, n);
-        j += hi - lo;
+        for (long r0 = lo; r0 < hi; r0 += run) {
+            long len = hi - r0 < run ? hi - r0 : run;
+            scores_run(qg, a->q_sH, rep, key_rows(a, kg, (long)table[b], r0 - b * bs, len, tmp), len, D, a->scale,
+                       sc + j, n);
+            j += len;
+        }
     }
     int whole = c->first_unit[i + 1] - c->first_unit[i] == 1;
     float *og = whole ? a->out + (s * Hq + g * rep) * D : NULL;
@@ -160,20 +203,22 @@ static void attend_unit(const attn_split *c, long u, float *sc) {
             o[-2] = mx, o[-1] = sum;
         }
     }
-    for (long r = 0; r < rep; r++) { /* sum_j w[r, j] v_j, block by block */
-        float *o = whole ? og + r * D : c->part + (u * rep + r) * (D + 2) + 2;
-        for (long b = p0 / bs, j = 0; b <= p1 / bs; b++) {
-            long lo = b * bs > p0 ? b * bs : p0, hi = (b + 1) * bs <= p1 ? (b + 1) * bs : p1 + 1;
-            values_run(sc + r * n + j, vg + ((long)table[b] * bs + (lo - b * bs)) * D, hi - lo, D, o);
-            j += hi - lo;
+    for (long b = p0 / bs, j = 0; b <= p1 / bs; b++) { /* o_r += sum_j w[r, j] v_j, run by run, in key order */
+        long lo = b * bs > p0 ? b * bs : p0, hi = (b + 1) * bs <= p1 ? (b + 1) * bs : p1 + 1;
+        for (long r0 = lo; r0 < hi; r0 += run) {
+            long len = hi - r0 < run ? hi - r0 : run;
+            const float *v = key_rows(a, vg, (long)table[b], r0 - b * bs, len, tmp);
+            for (long r = 0; r < rep; r++)
+                values_run(sc + r * n + j, v, len, D, whole ? og + r * D : c->part + (u * rep + r) * (D + 2) + 2);
+            j += len;
         }
     }
 }
 
 static void attend_part(void *ctx, long p, long P) {
     const attn_split *c = ctx;
-    float *sc = c->sc + p * c->a->rep * KEY_PART;
-    for (long u = c->bounds[p]; u < c->bounds[p + 1]; u++) attend_unit(c, u, sc);
+    float *sc = c->sc + p * (c->a->rep * KEY_PART + RUN * c->a->D);
+    for (long u = c->bounds[p]; u < c->bounds[p + 1]; u++) attend_unit(c, u, sc, sc + c->a->rep * KEY_PART);
 }
 
 /* items of several units: out = sum_u e^(m_u - M) o_u / sum_u e^(m_u - M) l_u, M the largest
@@ -207,6 +252,20 @@ static void combine_part(void *ctx, long p, long P) {
     }
 }
 
+/* the D values x stored at element e of the cache, rounded to its type */
+static void store_row(const attn_job *a, long e, const float *x) {
+    long D = a->D;
+    if (a->kv_type == KV_F32) {
+        memcpy((float *)a->kv + e, x, D * sizeof(float));
+        return;
+    }
+    uint16_t *h = (uint16_t *)a->kv + e;
+    if (a->kv_type == KV_BF16)
+        for (long d = 0; d < D; d++) h[d] = f32_to_bf16(x[d]);
+    else
+        for (long d = 0; d < D; d++) h[d] = f32_to_f16(x[d]);
+}
+
 /* Each sequence's K/V write, then its attention: every (sequence, KV head)'s keys cut into units
  * of KEY_PART keys, the units split over the kernels' threads (a single sequence's one KV head
  * included), the items of several units combined after. -1 when out of memory. */
@@ -219,9 +278,8 @@ int attend(const attn_job *a) {
         if (a->k_new != NULL) {
             const int64_t *table = a->tables + s * a->table_stride;
             long p = (long)a->pos[s], slot = (long)table[p / bs] * bs + p % bs;
-            memcpy(a->kv + (g * a->num_slots + slot) * D, a->k_new + s * a->new_sS + g * a->new_sH, D * sizeof(float));
-            memcpy(a->kv + ((Hkv + g) * a->num_slots + slot) * D, a->v_new + s * a->new_sS + g * a->new_sH,
-                   D * sizeof(float));
+            store_row(a, (g * a->num_slots + slot) * D, a->k_new + s * a->new_sS + g * a->new_sH);
+            store_row(a, ((Hkv + g) * a->num_slots + slot) * D, a->v_new + s * a->new_sS + g * a->new_sH);
         }
     }
     long parts = keys * rep * D / 65536 + 1; /* ~64 K multiply-adds a part at least */
@@ -231,13 +289,13 @@ int attend(const attn_job *a) {
     parts = parts < MAX_PARTS ? parts : MAX_PARTS;
     if (parts < 1) parts = 1;
     attn_split c = {.a = a};
-    size_t ints = (size_t)(2 * units + items + 1), floats = (size_t)(parts * rep * KEY_PART);
+    size_t ints = (size_t)(2 * units + items + 1), floats = (size_t)(parts * (rep * KEY_PART + RUN * D));
     floats += multi ? (size_t)(units * rep * (D + 2)) : 0;
     char *buf = malloc(sizeof(long) * ints + sizeof(float) * floats);
     if (buf == NULL) return -1;
     c.item_of = (long *)buf, c.k0 = c.item_of + units, c.first_unit = c.k0 + units;
     c.sc = (float *)(c.first_unit + items + 1);
-    c.part = multi ? c.sc + parts * rep * KEY_PART : NULL;
+    c.part = multi ? c.sc + parts * (rep * KEY_PART + RUN * D) : NULL;
     for (long i = 0, u = 0; i < items; i++) {
         long s = i / Hkv;
         c.first_unit[i] = u;

@@ -12,7 +12,7 @@ import torch
 
 from hybridkv.engine.cpu_ops.build import _state, load
 
-__all__ = ["ACTIVATIONS", "decode_attention", "gated_act", "hold_cores", "q4_linear", "q8_linear", "rms_norm",
+__all__ = ["ACTIVATIONS", "KV_TYPES", "decode_attention", "gated_act", "hold_cores", "q4_linear", "q8_linear", "rms_norm",
            "rope_rotate_half", "rounded_rows", "rounding_block"]
 
 
@@ -97,6 +97,10 @@ def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return out
 
 
+#: the KV cache element types the C attention reads and writes (attn_job.kv_type)
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 def decode_attention(
     q: torch.Tensor,
     k_new: torch.Tensor | None,
@@ -110,19 +114,22 @@ def decode_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence through its block table. q [S, Hq, D]; k_new / v_new [S, Hkv, D]
-    (written at position ``pos[s]`` first; None: nothing written); kv [2 Hkv, num_slots, D]
-    contiguous (keys, then values); tables [S, W] int64 (rows contiguous); first / pos [S]
-    int64: sequence s attends to positions first[s] .. pos[s]. All fp32 with unit stride in D.
-    Returns out [S, Hq, D] contiguous."""
+    (written at position ``pos[s]`` first, rounded to the cache's dtype as ``.to(dtype)`` rounds;
+    None: nothing written); kv [2 Hkv, num_slots, D] contiguous (keys, then values) in fp32, bf16
+    or fp16 (:data:`KV_TYPES`); tables [S, W] int64 (rows contiguous); first / pos [S] int64:
+    sequence s attends to positions first[s] .. pos[s]. q, k_new, v_new and out fp32, unit stride
+    in D. Scores and sums in fp32 over the stored values. Returns out [S, Hq, D] contiguous."""
     ops = load()
     s, hq, d = q.shape
     hkv = kv.shape[0] // 2
     f32, i64 = torch.float32, torch.int64
-    if (q.dtype is not f32 or kv.dtype is not f32 or tables.dtype is not i64 or first.dtype is not i64
+    kv_type = KV_TYPES.get(kv.dtype)
+    if (q.dtype is not f32 or kv_type is None or tables.dtype is not i64 or first.dtype is not i64
             or pos.dtype is not i64 or not (q.is_cpu and kv.is_cpu and tables.is_cpu and first.is_cpu and pos.is_cpu)
             or (k_new is not None and (k_new.dtype is not f32 or v_new.dtype is not f32 or not k_new.is_cpu
                                        or not v_new.is_cpu))):
-        _check(q, k_new, v_new, kv, dtype=f32)  # raises, naming the tensor's dtype
+        _check(q, k_new, v_new, dtype=f32)  # raises, naming the tensor's dtype
+        _check(kv, dtype=kv.dtype if kv_type is not None else f32)
         _check(tables, first, pos, dtype=i64)
     if (q.stride(2) != 1 or not kv.is_contiguous() or kv.dim() != 3 or kv.shape[2] != d or hkv < 1 or hq % hkv
             or tables.dim() != 2 or tables.shape[0] < s or tables.stride(1) != 1 or first.shape != (s,)
@@ -145,7 +152,7 @@ def decode_attention(
     ops.decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1), kp, vp, ns, nh, kv.data_ptr(), kv.shape[1], hkv, d,
         hq // hkv, tables.data_ptr(), tables.stride(0), tables.shape[1], first.data_ptr(), pos.data_ptr(), s, block_size,
-        scale, out.data_ptr(),
+        scale, out.data_ptr(), kv_type,
     )
     return out
 

@@ -47,14 +47,15 @@ static PyObject *gated_act(PyObject *self, PyObject *const *args, Py_ssize_t nar
 }
 
 /* decode_attention(q, q_sS, q_sH, k_new, v_new, new_sS, new_sH, kv, num_slots, Hkv, D, rep,
- *                  tables, table_stride, table_width, first, pos, S, block_size, scale, out) */
+ *                  tables, table_stride, table_width, first, pos, S, block_size, scale, out, kv_type) */
 static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    ARGS(decode_attention, 21)
+    ARGS(decode_attention, 22)
     attn_job job = {
         .q = PTR(0), .q_sS = LONG(1), .q_sH = LONG(2), .k_new = PTR(3), .v_new = PTR(4), .new_sS = LONG(5),
         .new_sH = LONG(6), .kv = PTR(7), .num_slots = LONG(8), .Hkv = LONG(9), .D = LONG(10), .rep = LONG(11),
         .tables = PTR(12), .table_stride = LONG(13), .table_width = LONG(14), .first = PTR(15), .pos = PTR(16),
         .S = LONG(17), .bs = LONG(18), .scale = (float)PyFloat_AsDouble(args[19]), .out = PTR(20),
+        .kv_type = LONG(21),
     };
     if (PyErr_Occurred()) return NULL;
     char err[160];
@@ -86,7 +87,7 @@ static PyMethodDef methods[] = {
     FAST(rms_norm, "RMSNorm of fp32 rows"),
     FAST(rope_rotate_half, "rotate-half RoPE of fp32 rows"),
     FAST(gated_act, "act(gate) * up of fp32 rows"),
-    FAST(decode_attention, "K/V write and paged attention of one query per sequence (fp32)"),
+    FAST(decode_attention, "K/V write and paged attention of one query per sequence (fp32 / bf16 / fp16 cache)"),
     FAST(q8_linear, "fp32 rows times an int8 weight"),
     FAST(q4_linear, "fp32 rows times an int4 weight"),
     FAST(decode_stack, "a decode step's decoder layers in one call"),

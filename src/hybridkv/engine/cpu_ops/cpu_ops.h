@@ -41,11 +41,48 @@ void rope_rows(const float *x, float *out, const float *cs, const float *sn, lon
 void gated_rows(const float *gu, float *out, long T, long I, long sT, long act);
 
 /* attention.c */
-/* What one decode_attention call computes: its S sequences. */
+/* the KV cache's element types (attn_job.kv_type): fp32, bf16, fp16 */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+
+/* fp32 -> bf16 / fp16 bits, rounded to nearest even, nan to a quiet nan: torch's own conversions
+ * (c10's round_to_nearest_even and fp16_ieee_from_fp32_value), so a K/V written here equals the
+ * one torch's .to(dtype) writes; and back (exact). Bit tricks on the float's representation; no FP
+ * flags read. The attention's cache and the bf16 matmuls' rounding (qmatmul_bf16.c) use them. */
+static inline uint32_t f32_bits(float f) {
+    union { float f; uint32_t u; } v = {.f = f};
+    return v.u;
+}
+static inline float bits_f32(uint32_t u) {
+    union { uint32_t u; float f; } v = {.u = u};
+    return v.f;
+}
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f32_bits(f);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+static inline uint16_t f32_to_f16(float f) {
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    uint32_t w = f32_bits(f), shl1 = w + w, sign = w & 0x80000000u, bias = shl1 & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = bits_f32((bias >> 1) + 0x07800000u) + base;
+    uint32_t bits = f32_bits(base), nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+    return (uint16_t)((sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u : nonsign));
+}
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+    float normal = bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    float denormal = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+    return bits_f32(sign | (two_w < (1u << 27) ? f32_bits(denormal) : f32_bits(normal)));
+}
+
+/* What one decode_attention call computes: its S sequences. kv holds kv_type elements. */
 typedef struct {
     const float *q, *k_new, *v_new;
     long q_sS, q_sH, new_sS, new_sH;
-    float *kv;
+    void *kv;
+    long kv_type;
     long num_slots, Hkv, D, rep;
     const int64_t *tables;
     long table_stride, table_width; /* a table row's stride; blocks it holds */

@@ -13,7 +13,8 @@
  * the same kernels, in the same order, as the layers' Python forward on the quantized CPU
  * path runs them one call each, so the result is the same up to the matmuls' summation order.
  *
- * The plan: one record of PLAN_FIELDS 8-byte fields per layer (int64, the last two doubles);
+ * The plan: one record of PLAN_FIELDS 8-byte fields per layer (int64, the last two doubles; the
+ * KV cache fp32, bf16 or fp16, as L_KV_TYPE says);
  * the step: int64 [S, block_size, R, A, G, R x (cos, sin, c_sT), A x (first, pos), G x
  * (tables, table_stride, table_width)] (rope tables, attention types' first / last positions, KV groups'
  * block tables, each a tensor's data_ptr()). */
@@ -23,6 +24,7 @@ enum {
     L_HQ, L_HKV, L_D, L_HIDDEN, L_INTER,
     L_LN1, L_LN2, L_POST_ATTN, L_POST_FF, L_QK_NORM, /* fp32 multipliers (0: none) */
     L_ROPE, L_ATTN, L_GROUP, L_KV, L_SLOTS, L_ACT,   /* indexes into the step; kv [2 Hkv, slots, D] */
+    L_KV_TYPE,                                        /* the cache's element type (KV_F32 / KV_BF16 / KV_F16) */
     L_QKV, L_O = L_QKV + 7, L_GATE_UP = L_O + 7, L_DOWN = L_GATE_UP + 7, /* qweight: 7 fields each */
     L_EPS = L_DOWN + 7, L_SCALE,                      /* doubles */
     PLAN_FIELDS
@@ -48,8 +50,9 @@ static attn_job job_of(const int64_t *p, const int64_t *step) {
     const int64_t *at = step + 5 + 3 * R + 2 * p[L_ATTN], *gr = step + 5 + 3 * R + 2 * A + 3 * p[L_GROUP];
     long Hq = p[L_HQ], Hkv = p[L_HKV], D = p[L_D], Nqkv = (Hq + 2 * Hkv) * D;
     attn_job job = {
-        .q_sS = Nqkv, .q_sH = D, .new_sS = Nqkv, .new_sH = D, .kv = F(p[L_KV]), .num_slots = p[L_SLOTS],
-        .Hkv = Hkv, .D = D, .rep = Hq / Hkv, .tables = (const int64_t *)(intptr_t)gr[0], .table_stride = gr[1],
+        .q_sS = Nqkv, .q_sH = D, .new_sS = Nqkv, .new_sH = D, .kv = (void *)(intptr_t)p[L_KV],
+        .kv_type = p[L_KV_TYPE], .num_slots = p[L_SLOTS], .Hkv = Hkv, .D = D, .rep = Hq / Hkv,
+        .tables = (const int64_t *)(intptr_t)gr[0], .table_stride = gr[1],
         .table_width = gr[2],
         .first = (const int64_t *)(intptr_t)at[0], .pos = (const int64_t *)(intptr_t)at[1], .S = step[0],
         .bs = step[1], .scale = (float)double_at(p + L_SCALE),
@@ -67,6 +70,7 @@ static int layer_ok(const int64_t *p, const int64_t *step, long l, char *err, si
     int ok = Hkv > 0 && Hq > 0 && Hq % Hkv == 0 && D > 0 && D % 2 == 0 && H > 0 && I > 0 && p[L_LN1] && p[L_LN2]
              && p[L_KV] && p[L_ROPE] >= 0 && p[L_ROPE] < step[2] && p[L_ATTN] >= 0 && p[L_ATTN] < step[3]
              && p[L_GROUP] >= 0 && p[L_GROUP] < step[4] && p[L_ACT] >= 0 && p[L_ACT] <= 1
+             && p[L_KV_TYPE] >= KV_F32 && p[L_KV_TYPE] <= KV_F16
              && weight_ok(&qkv, (Hq + 2 * Hkv) * D, H) && weight_ok(&o, H, Hq * D) && weight_ok(&gu, 2 * I, H)
              && weight_ok(&d, H, I);
     if (!ok) snprintf(err, size, "layer %ld: its plan does not fit together (shapes, weights or indexes)", l);

@@ -37,12 +37,6 @@ typedef struct {
     long blk;           /* AVX2: the blocks' width */
 } qjob;
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
-
 /* int4 group (n, g): its scale and lo = z - 8 s */
 static inline void q4_group(const qjob *j, long n, long g, float *s, float *lo) {
     long i = (n * (j->K / j->G) + g) * 2;

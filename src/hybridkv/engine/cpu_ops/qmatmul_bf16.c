@@ -14,12 +14,6 @@
 #define QM_BF16 1
 #endif
 
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; a NaN stays a (quiet) NaN */
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-}
-
 /* wb [4][K32]: rows n .. n+3 of an int8 weight in bf16 (rows past N and columns past K: 0) */
 static void decode_q8(const qjob *j, long n, uint16_t *wb) {
     const int8_t *q = (const int8_t *)j->w;

@@ -348,7 +348,9 @@ def paged_attention_fwd(
     grid_q = table.shape[0] if decode else int(num_blocks_q if num_blocks_q is not None else plan.shape[0])
     if grid_q == 0:
         return out
-    upcast = interpreter_on() and query.dtype == torch.bfloat16  # the interpreter's bf16 dot is wrong
+    # fp32 dots: the interpreter's bf16 dot is wrong; an fp32 query over a bf16 / fp16 cache
+    # (--kv-cache-dtype) reads the stored values in fp32 (no mixed-dtype dot, no tf32)
+    upcast = (interpreter_on() and query.dtype == torch.bfloat16) or query.dtype != key_cache.dtype
     ieee = query.dtype == torch.float32 or upcast
     dummy = seq_lens
     if num_splits > 1:
