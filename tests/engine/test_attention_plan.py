@@ -41,6 +41,29 @@ def test_sliding_prefill_is_cut_at_window_multiples():
     assert sorted(_shapes(layout)) == [(1, 16, 16, True), (2, 16, 31, False)]
 
 
+def test_a_wide_window_prefill_is_cut_into_shorter_pieces(monkeypatch):
+    """Past SLIDING_PIECE queries a window's prefill is cut at multiples of the piece, each piece
+    reading its own keys and the W - 1 before (so most of what a piece gathers is read), and
+    every query still reads exactly its visible keys; a piece length that is not the window's
+    divisor included."""
+    from hybridkv.engine.attention import plan
+
+    assert plan.SLIDING_PIECE == 128
+    layout = build_layout("sliding", 512, [0], [2048], 16, CPU)
+    shapes = _shapes(layout)
+    assert max(q for _, q, _, _ in shapes) == 128 and max(k for _, _, k, _ in shapes) == 128 + 511
+    assert sum(n * q for n, q, _, _ in shapes) == 2048
+    monkeypatch.setattr(plan, "SLIDING_PIECE", 5)
+    rng = random.Random(3)
+    for _ in range(60):
+        size, bs = rng.randint(6, 23), rng.randint(1, 8)
+        num = rng.randint(1, 4)
+        starts = [rng.choice([0, rng.randint(0, 60)]) for _ in range(num)]
+        q_lens = [rng.randint(1, 40) for _ in range(num)]
+        layout = _check_layout("sliding", size, starts, q_lens, bs)
+        assert all(b.q <= 5 and b.k <= 5 + size - 1 for b in layout.buckets)
+
+
 def test_decode_step_is_one_bucket_in_token_order():
     layout = build_layout("full", None, [5, 70, 12], [1, 1, 1], 16, CPU)
     (b,) = layout.buckets

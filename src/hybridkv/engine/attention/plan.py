@@ -9,7 +9,10 @@ first and the segments are batched by shape:
 * a segment is a run of one sequence's queries ``[a, b)`` that reads the key range
   ``[first_key(a), b)``. Chunked attention cuts at chunk boundaries (a 250-token
   prefill with chunk 64 is four segments of at most 64 x 64, not 250 x 250) and
-  sliding attention at multiples of ``W`` (at most ``W`` queries x ``2W - 1`` keys);
+  sliding attention at multiples of ``min(W, SLIDING_PIECE)`` (at most ``L`` queries x
+  ``L + W - 1`` keys for that piece length ``L``: a 2,048-token chunk at ``W`` 512 is 16
+  segments of 128 x 639, 1.25x the keys its queries read, where pieces of ``W`` would be
+  4 of 512 x 1,023, 2x);
   full attention keeps one segment per sequence;
 * single-query segments (decodes, and one-token tails) form one *decode bucket*;
 * the others are sorted by size and greedily grouped while padding stays under
@@ -38,6 +41,10 @@ __all__ = ["Bucket", "Layout", "build_layout", "first_key", "visible_keys", "PAD
 
 #: a multi-query bucket grows while its padded work stays below this multiple of the real work
 PAD_SLACK = 1.5
+#: a sliding window's prefill is cut into pieces of this many queries at most (each reads its
+#: own keys and the W - 1 before): shorter pieces read fewer keys they mask out, more of them
+#: cost more ops and gathers (README, "Long context", has the prefill it was chosen on)
+SLIDING_PIECE = 128
 #: the single-query segments (decodes) of a step form one bucket while it pads to at most this
 #: many keys; past it they are grouped by key length as the others (PAD_SLACK). Short contexts
 #: gain nothing from more buckets (more ops, measured slower); 27 decodes of 32-1,500 tokens
@@ -67,12 +74,14 @@ def first_key(kind: str, size: int | None, p: int) -> int:
 
 
 def _pieces(kind: str, size: int | None, a: int, b: int) -> list[tuple[int, int]]:
-    """Cut the query run ``[a, b)`` at multiples of the chunk / window (full: no cut)."""
+    """Cut the query run ``[a, b)`` at multiples of the chunk, or of the window's piece length
+    (full: no cut)."""
     if kind == "full":
         return [(a, b)]
+    step = min(size, SLIDING_PIECE) if kind == "sliding" else size
     out = []
     while a < b:
-        cut = min(b, (a // size + 1) * size)
+        cut = min(b, (a // step + 1) * step)
         out.append((a, cut))
         a = cut
     return out

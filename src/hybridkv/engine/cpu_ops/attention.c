@@ -102,24 +102,25 @@ static void scores_run(const float *q, long q_sH, long rep, const float *k, long
 }
 
 /* o[0 .. D) += sum_i w[i] v_i over the len consecutive value rows v (stride D): with AVX2 the
- * output in registers, 64 columns at a time, instead of loaded and stored once a key */
+ * output in registers, 64 columns at a time (a fixed count of 8 accumulators: with a variable
+ * one gcc keeps them on the stack), then 8 at a time, instead of loaded and stored once a key */
 static void values_run(const float *w, const float *v, long len, long D, float *o) {
     long d0 = 0;
 #ifdef ATT_AVX2
-    for (; d0 + 8 <= D; d0 += 64) {
-        int nv = (int)((D - d0) / 8 < 8 ? (D - d0) / 8 : 8);
+    for (; d0 + 64 <= D; d0 += 64) {
         __m256 acc[8];
-        for (int t = 0; t < nv; t++) acc[t] = _mm256_loadu_ps(o + d0 + 8 * t);
+        for (int t = 0; t < 8; t++) acc[t] = _mm256_loadu_ps(o + d0 + 8 * t);
         for (long i = 0; i < len; i++) {
             __m256 wv = _mm256_set1_ps(w[i]);
             const float *vr = v + i * D + d0;
-            for (int t = 0; t < nv; t++) acc[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vr + 8 * t), acc[t]);
+            for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vr + 8 * t), acc[t]);
         }
-        for (int t = 0; t < nv; t++) _mm256_storeu_ps(o + d0 + 8 * t, acc[t]);
-        if (nv < 8) {
-            d0 += 8 * nv;
-            break;
-        }
+        for (int t = 0; t < 8; t++) _mm256_storeu_ps(o + d0 + 8 * t, acc[t]);
+    }
+    for (; d0 + 8 <= D; d0 += 8) {
+        __m256 acc = _mm256_loadu_ps(o + d0);
+        for (long i = 0; i < len; i++) acc = _mm256_fmadd_ps(_mm256_set1_ps(w[i]), _mm256_loadu_ps(v + i * D + d0), acc);
+        _mm256_storeu_ps(o + d0, acc);
     }
 #endif
     if (d0 < D)
