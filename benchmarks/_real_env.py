@@ -69,6 +69,31 @@ def import_llama_cpp() -> tuple[Any | None, str]:
     return llama_cpp, ""
 
 
+def llama_cpp_lane(lanes: list[str], wanted: bool = True) -> Any | None:
+    """The ``llama_cpp`` module when ``"llama"`` is among ``lanes`` (and ``wanted``) and it imports;
+    else None, with ``"llama"`` taken out of ``lanes`` and why printed when it does not import."""
+    if "llama" not in lanes or not wanted:
+        return None
+    llama_cpp, why = import_llama_cpp()
+    if llama_cpp is None:
+        print(why)
+        lanes.remove("llama")
+    return llama_cpp
+
+
+def cpu_description() -> dict[str, str]:
+    """The CPU every figure ran on: its model name, ISA level and the quantized path's compute dtype."""
+    from hybridkv.engine.cpu_ops.isa import cpu_isa, quantized_compute_dtype
+
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"model": model, "isa": cpu_isa().level, "quantized_compute": quantized_compute_dtype()}
+
+
 # ------------------------------------------------------------------ workload
 #: pure-Python standard-library modules whose docstrings make the text (English prose with code)
 CORPUS_MODULES = (

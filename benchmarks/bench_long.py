@@ -46,8 +46,8 @@ from pathlib import Path
 
 import _paths  # noqa: F401  (this checkout's src importable)
 import torch
-from _real_env import (LlamaCppBatched, Workload, corpus_text, import_llama_cpp, make_workload, model_gguf,
-                       print_table, ratio_cell, spread)
+from _real_env import (LlamaCppBatched, Workload, corpus_text, cpu_description, llama_cpp_lane, make_workload,
+                       model_gguf, print_table, ratio_cell, spread, target_cell)
 
 from hybridkv.checkpoint.gguf_file import GGUFFile
 from hybridkv.engine.engine import EngineConfig, LLMEngine
@@ -58,14 +58,12 @@ from hybridkv.tokenizer import tokenizer_from_gguf
 MODEL = "gemma-3-270m"
 KV_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_LANES = "int8-hybrid-bf16,int8-hybrid-fp32,int8-full-bf16,llama"
-#: (part, figure) -> (op, ratio against the reference lane, which lanes it applies to)
-TARGETS = {
-    ("single", "decode_tok_s"): (">=", 1.3, "vs llama.cpp, int8 bf16 KV"),
-    ("single", "ttft_s"): ("<=", 0.5, "vs llama.cpp at 16k and 30k"),
-    ("capacity", "vs_full"): ("<=", 0.5, "hybrid / all-full time"),
-    ("capacity", "vs_llama"): ("<=", 0.5, "hybrid / llama.cpp time"),
-    ("step", "ratio"): ("<=", 1.02, "hybrid / all-full step"),
-}
+#: the issue's targets (printed beside the ratios, never asserted): (op, ratio)
+DECODE_TARGET = (">=", 1.3)  # vs llama.cpp, int8 lanes with a bf16 cache, at every length
+TTFT_TARGET = ("<=", 0.5)  # vs llama.cpp, from TTFT_TARGET_FROM tokens on
+TTFT_TARGET_FROM = 16384
+CAPACITY_TARGET = ("<=", 0.5)  # hybrid / all-full and hybrid / llama.cpp
+STEP_TARGET = ("<=", 1.02)  # hybrid / all-full decode step
 
 
 def lane_config(name: str) -> tuple[str, bool, str]:
@@ -139,6 +137,8 @@ def single(lanes: dict, prompts: dict[int, list[int]], args) -> dict:
 
 
 def report_single(rows: dict) -> dict:
+    """Per length: each lane's medians and, beside llama.cpp, its ratios (median and range) with
+    the targets that apply (decode: int8 lanes with a bf16 cache; TTFT: from 16k on)."""
     out = {}
     for n, lanes in rows.items():
         print(f"\nsingle stream, {n:,}-token prompt (median of rounds; ratio vs llama.cpp in the same round)")
@@ -146,14 +146,19 @@ def report_single(rows: dict) -> dict:
         out[n] = {}
         for name, figs in lanes.items():
             entry = {k: statistics.median(f[k] for f in figs) for k in ("ttft_s", "decode_tok_s")}
+            cells = ["", "", "", ""]
             if "llama" in lanes and name != "llama":
                 ref = lanes["llama"]
                 entry["decode_vs_llama"] = spread([f["decode_tok_s"] / g["decode_tok_s"] for f, g in zip(figs, ref)])
                 entry["ttft_vs_llama"] = spread([f["ttft_s"] / g["ttft_s"] for f, g in zip(figs, ref)])
+                decode_target = DECODE_TARGET if name.startswith("int8-") and name.endswith("-bf16") else None
+                ttft_target = TTFT_TARGET if n >= TTFT_TARGET_FROM else None
+                cells = [ratio_cell(entry["ttft_vs_llama"]), target_cell(ttft_target, entry["ttft_vs_llama"]),
+                         ratio_cell(entry["decode_vs_llama"]), target_cell(decode_target, entry["decode_vs_llama"])]
             out[n][name] = entry
-            table.append([name, f"{entry['ttft_s']:.2f}", f"{entry['decode_tok_s']:.1f}",
-                          ratio_cell(entry.get("ttft_vs_llama")), ratio_cell(entry.get("decode_vs_llama"))])
-        print_table(["lane", "TTFT s", "decode tok/s", "TTFT vs llama.cpp", "decode vs llama.cpp"], table)
+            table.append([name, f"{entry['ttft_s']:.2f}", f"{entry['decode_tok_s']:.1f}", *cells])
+        print_table(["lane", "TTFT s", "decode tok/s", "TTFT vs llama.cpp", "target", "decode vs llama.cpp", "target"],
+                    table)
     return out
 
 
@@ -187,11 +192,16 @@ def step_cost(models: dict, prompt: list[int], kvs: list[str], args) -> dict:
                    "full_ms": statistics.median(times["full"]), "rounds": ratios}
         del engines
         gc.collect()
-    print(f"\ndecode step at {len(prompt):,} tokens, int8, hybrid vs all-full ({args.step_rounds} alternating rounds "
-          f"of {args.step_tokens} steps; target <= 1.02x)")
-    print_table(["KV", "hybrid ms", "all-full ms", "hybrid / all-full"],
-                [[kv, f"{o['hybrid_ms']:.2f}", f"{o['full_ms']:.2f}", ratio_cell(o["ratio"])] for kv, o in out.items()])
+    report_step(out, len(prompt), args.step_rounds, args.step_tokens)
     return out
+
+
+def report_step(out: dict, length: int, rounds: int, steps: int) -> None:
+    print(f"\ndecode step at {length:,} tokens, int8, hybrid vs all-full ({rounds} alternating rounds of {steps} "
+          "steps in one process)")
+    print_table(["KV", "hybrid ms", "all-full ms", "hybrid / all-full", "target"],
+                [[kv, f"{o['hybrid_ms']:.2f}", f"{o['full_ms']:.2f}", ratio_cell(o["ratio"]),
+                  target_cell(STEP_TARGET, o["ratio"])] for kv, o in out.items()])
 
 
 def capacity(models: dict, w: Workload, kvs: list[str], llama_cpp, args) -> dict:
@@ -206,6 +216,7 @@ def capacity(models: dict, w: Workload, kvs: list[str], llama_cpp, args) -> dict
         lanes["llama"] = Llama(llama_cpp, len(w.prompts), max_len, args.threads)
     figs: dict[str, list[dict]] = {name: [] for name in lanes}
     names = list(lanes)
+    print(f"capacity: our lanes on {args.capacity_kv} of KV", flush=True)
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
             ttft, _, total = lanes[name].run(w)
@@ -215,22 +226,32 @@ def capacity(models: dict, w: Workload, kvs: list[str], llama_cpp, args) -> dict
             print(f"  capacity round {r + 1} {name}: {total:.1f} s, peak running {fig['peak_running']}", flush=True)
     if "llama" in lanes:
         lanes["llama"].close()
+    return report_capacity(figs, w)
+
+
+def report_capacity(figs: dict[str, list[dict]], w: Workload) -> dict:
+    """Per lane the median time and peak running requests; for each hybrid lane its ratio to the
+    all-full lane of its KV dtype and to llama.cpp (median and range over rounds) with the targets."""
     out = {}
     table = []
     for name, runs in figs.items():
         entry = {"total_s": statistics.median(f["total_s"] for f in runs),
                  "peak_running": max(f["peak_running"] for f in runs)}
+        cells = ["", "", "", ""]
         if name.startswith("int8-hybrid-"):
-            full = figs[name.replace("hybrid", "full")]
-            entry["vs_full"] = spread([a["total_s"] / b["total_s"] for a, b in zip(runs, full)])
+            full = figs.get(name.replace("hybrid", "full"))
+            if full:
+                entry["vs_full"] = spread([a["total_s"] / b["total_s"] for a, b in zip(runs, full)])
+                cells[:2] = [ratio_cell(entry["vs_full"]), target_cell(CAPACITY_TARGET, entry["vs_full"])]
             if "llama" in figs:
                 entry["vs_llama"] = spread([a["total_s"] / b["total_s"] for a, b in zip(runs, figs["llama"])])
+                cells[2:] = [ratio_cell(entry["vs_llama"]), target_cell(CAPACITY_TARGET, entry["vs_llama"])]
         out[name] = entry
-        table.append([name, f"{entry['total_s']:.1f}", str(entry["peak_running"]), ratio_cell(entry.get("vs_full")),
-                      ratio_cell(entry.get("vs_llama"))])
-    print(f"\ncapacity: {len(w.prompts)} prompts of {len(w.prompts[0]):,} + {w.max_tokens[0]} new, all at once, "
-          f"{args.capacity_kv} of KV (ours; llama.cpp its own f16 cache); targets <= 0.50x both")
-    print_table(["lane", "total s", "peak running", "hybrid / all-full", "hybrid / llama.cpp"], table)
+        table.append([name, f"{entry['total_s']:.1f}", str(entry["peak_running"]), *cells])
+    print(f"\ncapacity: {len(w.prompts)} prompts of {len(w.prompts[0]):,} + {w.max_tokens[0]} new, all at once "
+          "(ours: one KV budget; llama.cpp: its own f16 cache)")
+    print_table(["lane", "total s", "peak running", "hybrid / all-full", "target", "hybrid / llama.cpp", "target"],
+                table)
     return out
 
 
@@ -265,14 +286,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from bench_real import cpu_description
-
-    llama_cpp = None
-    if "llama" in args.lanes:
-        llama_cpp, why = import_llama_cpp()
-        if llama_cpp is None:
-            print(why)
-            args.lanes.remove("llama")
+    llama_cpp = llama_cpp_lane(args.lanes)
     cpu = cpu_description()
     print(f"CPU {cpu['model']} (ISA level {cpu['isa']}), {args.threads} threads, torch {torch.__version__}"
           + (f", llama-cpp-python {llama_cpp.__version__}" if llama_cpp else "") + "; Gemma 3 270M, greedy")
@@ -283,8 +297,9 @@ def main(argv=None) -> None:
     quants = {lane_config(n)[0] for n in ours} | ({"int8"} if {"step", "capacity"} & set(args.parts) else set())
     models = {q: load_model(path, quantization=q) for q in sorted(quants)}
     kvs = list(dict.fromkeys(n.split("-")[2] for n in ours)) or ["bf16"]
-    report = {"meta": {"cpu": cpu, "threads": args.threads, "lanes": args.lanes, "targets":
-                       {f"{a} {b}": v for (a, b), v in TARGETS.items()}}}
+    report = {"meta": {"cpu": cpu, "threads": args.threads, "lanes": args.lanes, "targets": {
+        "decode vs llama.cpp": DECODE_TARGET, f"TTFT vs llama.cpp from {TTFT_TARGET_FROM}": TTFT_TARGET,
+        "capacity": CAPACITY_TARGET, "step hybrid / all-full": STEP_TARGET}}}
     if "single" in args.parts:
         max_len = max(args.lengths) + args.decode
         lanes = {n: Ours(models[lane_config(n)[0]], n, max_len, max_num_seqs=1) for n in ours}

@@ -83,7 +83,8 @@ from _real_env import (  # noqa: E402
     Workload,
     agreement,
     corpus_text,
-    import_llama_cpp,
+    cpu_description,
+    llama_cpp_lane,
     load_hf,
     make_workload,
     model_gguf,
@@ -439,28 +440,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     return args, size
 
 
-def cpu_description() -> dict[str, str]:
-    """The CPU every figure ran on: its model name, ISA level and the quantized path's compute dtype."""
-    from hybridkv.engine.cpu_ops.isa import cpu_isa, quantized_compute_dtype
-
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return {"model": model, "isa": cpu_isa().level, "quantized_compute": quantized_compute_dtype()}
-
-
 def main(argv: list[str] | None = None) -> None:
     args, size = parse_args(argv)
     torch.set_num_threads(args.threads)
-    llama_cpp = None
-    if "llama" in args.lanes and not args.profile:
-        llama_cpp, why = import_llama_cpp()
-        if llama_cpp is None:
-            print(why)
-            args.lanes.remove("llama")
+    llama_cpp = llama_cpp_lane(args.lanes, wanted=not args.profile)
     cpu = cpu_description()
     print(f"CPU {cpu['model']} (ISA level {cpu['isa']}, quantized compute {cpu['quantized_compute']}), "
           f"{args.threads} threads (torch and llama.cpp), torch {torch.__version__}, transformers {tf.__version__}"

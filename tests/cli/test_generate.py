@@ -165,9 +165,9 @@ def test_one_prompt_streams_text_and_ends_with_one_summary_line(text_model, caps
     assert "prefix hits 0 tokens; preemptions 0; KV/request at 512 tokens" in err
     if layout:
         # one group of all 6 layers; 45 + 8 tokens, the last not computed: 52 / 4 = 13 blocks
-        assert "KV blocks peak full 13 (78 KiB)" in err and "(all-full, --no-hybrid)" in err
+        assert "KV blocks peak full 13 (78 KiB float32)" in err and "(all-full, --no-hybrid)" in err
     else:  # the sliding groups held the 45-token prompt (12 blocks) while it was prefilled in one step
-        assert "KV blocks peak full 13, sliding(12) 2x12 (72 KiB)" in err
+        assert "KV blocks peak full 13, sliding(12) 2x12 (72 KiB float32)" in err
         assert "768 KiB hybrid vs 768 KiB all-full (all-full / hybrid 1.00x)" in err  # budget >= 512: no saving
 
 

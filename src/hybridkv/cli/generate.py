@@ -17,7 +17,8 @@ One prompt streams its text to stdout as it is produced. Several run batched and
 prints, under a ``==> prompt N <==`` header, as soon as it and every prompt before it
 have finished: the prompts' texts never interleave, and the order is the order given
 (``--json``: one object per prompt, the same order). One summary line on stderr ends
-the run: tokens, time to first token, tokens/s, KV blocks per group at peak, prefix-hit
+the run: tokens, time to first token, tokens/s, KV blocks per group at peak (and their
+bytes in the KV cache's dtype), prefix-hit
 tokens, preemptions and the KV bytes one request of ``max_model_len`` needs in this
 layout vs every layer as full attention (with linear-attention layers, "KV+state": their
 state blocks counted too, and given apart; the all-full layout keeps them as states).
@@ -250,6 +251,7 @@ def summary_line(llm, outputs: list, elapsed: float) -> str:
     return (
         f"{len(outputs)} prompt{'s' if len(outputs) != 1 else ''}: {prompt_tokens:,} prompt + {output_tokens:,} "
         f"output tokens; TTFT {ttft}; {output_tokens / max(elapsed, 1e-9):.1f} tokens/s; {weights}"
-        f"KV blocks peak {blocks} ({format_bytes(kv.peak_bytes)}); prefix hits {kv.prefix_hit_tokens:,} tokens; "
+        f"KV blocks peak {blocks} ({format_bytes(kv.peak_bytes)} {llm.engine.config.kv_dtype}); "
+        f"prefix hits {kv.prefix_hit_tokens:,} tokens; "
         f"preemptions {kv.num_preemptions}; {layout}"
     )

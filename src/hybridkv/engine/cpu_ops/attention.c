@@ -151,8 +151,8 @@ static void widen(const void *src, long type, long count, float *dst) {
     }
 }
 
-/* the fp32 rows of the len keys (or values) from position lo of block id blk in the head's rows
- * `head` (element size esz): the cache itself when fp32, else widened into tmp */
+/* the fp32 rows of the len keys (or values) from offset off of block id blk among the head's rows
+ * `head`: the cache itself when fp32, else widened into tmp ([RUN, D]) */
 static const float *key_rows(const attn_job *a, const char *head, long blk, long off, long len, float *tmp) {
     long D = a->D, esz = a->kv_type == KV_F32 ? 4 : 2;
     const char *src = head + (blk * a->bs + off) * D * esz;
