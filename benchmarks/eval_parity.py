@@ -384,18 +384,18 @@ def print_model(report: dict[str, Any], budget_text: str) -> None:
     ref = report["reference"]
     print(f"summary ({n} items; agreement: hybrid output tokens against {ref or 'no reference'} hybrid's):")
     print(
-        f"{'precision':<9} {'score hybrid %':>14} {'score all-full %':>16} {'differ hyb/full':>15} "
+        f"{'precision':<12} {'score hybrid %':>14} {'score all-full %':>16} {'differ hyb/full':>15} "
         f"{'agree exact':>14} {'mean prefix':>11}"
     )
     for row in report["summary"]:
         if "error" in row:
-            print(f"{row['precision']:<9} error: {row['error']}")
+            print(f"{row['precision']:<12} error: {row['error']}")
             continue
         agree = row["agreement"]
         exact = "-" if agree is None else f"{agree['exact']}/{agree['items']} {100 * agree['exact_fraction']:.0f}%"
         prefix = "-" if agree is None else f"{agree['mean_prefix']:.3f}"
         print(
-            f"{row['precision']:<9} {row['score_hybrid']:>14.1f} {row['score_full']:>16.1f} "
+            f"{row['precision']:<12} {row['score_hybrid']:>14.1f} {row['score_full']:>16.1f} "
             f"{str(row['differ']) + '/' + str(row['items']):>15} {exact:>14} {prefix:>11}"
         )
     if ref is None:
