@@ -24,7 +24,7 @@ from hybridkv.scheduler.config import (
     SchedulerConfig,
 )
 
-__all__ = ["DEFAULT_ATTENTION_BACKEND", "DTYPES", "ENGINE_DEFAULTS", "EngineConfig", "KV_CACHE_DTYPES", "QUANTIZATIONS"]
+__all__ = ["DEFAULT_ATTENTION_BACKEND", "DTYPES", "ENGINE_DEFAULTS", "EngineConfig", "KV_CACHE_DTYPES", "KV_STORES", "QUANTIZATIONS"]
 
 #: the engine dtypes (model weights and KV cache), the default first
 DTYPES = ("float32", "bfloat16", "float16")
@@ -33,6 +33,9 @@ KV_CACHE_DTYPES = ("auto", *DTYPES)
 #: ``attention_backend`` by default: the ``auto`` rule. Backend names and the rule live in the
 #: attention registry (:mod:`hybridkv.engine.attention.registry`), which checks a name when the engine is built
 DEFAULT_ATTENTION_BACKEND = "auto"
+#: ``kv_store`` values: "all" (every computed token's K/V gets a slot, as vLLM) or "tail" (sliding-window
+#: and chunked-local layers store only what later tokens read: the specs' ``tail_only``)
+KV_STORES = ("all", "tail")
 #: ``quantization`` values (weight-only, on a CPU); None is the exact weights
 QUANTIZATIONS = ("int8", "int4")
 
@@ -53,6 +56,8 @@ class EngineConfig:
     dtype: str = DTYPES[0]
     #: the KV cache's dtype: "auto" (``dtype``) or one of :data:`DTYPES`, whatever the weights (``kv_dtype``)
     kv_cache_dtype: str = "auto"
+    #: which K/V windowed layers store: one of :data:`KV_STORES` (``tail_only``: True for "tail")
+    kv_store: str = "all"
     device: str = "cpu"
     seed: int = 0
     debug_checks: bool = False  # check every KV write for null-block slots
@@ -77,10 +82,17 @@ class EngineConfig:
             raise InvalidConfigError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise InvalidConfigError(f"attention_backend must be one of the attention backends' names, got {self.attention_backend!r}")
+        if self.kv_store not in KV_STORES:
+            raise InvalidConfigError(f"kv_store must be one of {list(KV_STORES)}, got {self.kv_store!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not self.hybrid and self.group_size is not None:
             raise InvalidConfigError("group_size applies to the hybrid layout; with hybrid off all layers are one group")
+
+    @property
+    def tail_only(self) -> bool:
+        """Windowed layers store only what later tokens read (``kv_store`` "tail")."""
+        return self.kv_store == "tail"
 
     @property
     def kv_dtype(self) -> str:

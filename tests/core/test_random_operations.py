@@ -3,7 +3,7 @@
 
 from hypothesis import HealthCheck, settings
 
-from tests.support.manager_machines import HybridManagerMachine, MixedStripeWidthsMachine
+from tests.support.manager_machines import HybridManagerMachine, MixedStripeWidthsMachine, TailOnlyMachine
 from tests.support.tiers import examples
 
 TestHybridManager = HybridManagerMachine.TestCase
@@ -14,5 +14,11 @@ TestHybridManager.settings = settings(
 
 TestMixedStripeWidths = MixedStripeWidthsMachine.TestCase
 TestMixedStripeWidths.settings = settings(
+    max_examples=examples(150), stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+TestTailOnly = TailOnlyMachine.TestCase
+TestTailOnly.settings = settings(
     max_examples=examples(150), stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

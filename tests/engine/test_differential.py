@@ -4,7 +4,8 @@ Tiny random HF models (hidden 32, 2-4 layers, fp32, eager) are made here, one pe
 and window / chunk size (the weights are drawn once per family; a size is a config
 change). Each seeded case picks a window or chunk 1..31, block 1..16,
 ``max_num_batched_tokens`` 1..64, ``max_num_seqs``, prefix caching on or off, the planner's
-group size or a forced one (more groups, striped pools), a pool that is roomy, the engine's
+group size or a forced one (more groups, striped pools), ``kv_store`` all or tail (a prefill
+chunk's dead blocks of sliding / chunked groups never stored), a pool that is roomy, the engine's
 default or tight (preemption, eviction of cached blocks), and 1-4 prompts whose lengths sit
 at and around window / chunk / block / budget boundaries, some duplicates of or sharing
 a prefix with an earlier prompt and arriving while it decodes (``add_request`` between
@@ -218,12 +219,14 @@ class Case:
     group_size: int | None  # layers per KV cache group (None: the planner's choice)
     requests: list[tuple[int, list[int], int]]  # (arrival step, prompt, max_tokens)
     note: list[str] = field(default_factory=list)
+    kv_store: str = "all"  # "tail": windowed groups store only what later tokens read
 
     def __str__(self) -> str:
         reqs = [(a, len(p), n) for a, p, n in self.requests]
         return (f"{self.family} size={self.size} block={self.block} budget={self.budget} max_seqs={self.max_seqs} "
                 f"caching={self.caching} pool={self.pool} group_size={self.group_size} "
-                f"requests(arrival, prompt len, max_tokens)={reqs}")
+                + (f"kv_store={self.kv_store} " if self.kv_store != "all" else "")  # (seeds the pool's slack)
+                + f"requests(arrival, prompt len, max_tokens)={reqs}")
 
 
 def _boundary_len(rng: random.Random, size: int | None, block: int, budget: int) -> int:
@@ -260,14 +263,16 @@ def make_case(family: str, seed: int) -> Case:
         requests.append((arrival, prompt, rng.randint(1, 8)))
     max_seqs = rng.randint(2 if pool == "tight" else 1, 6)
     group_size = rng.choice([None, None, 1, 2])
-    return Case(family, size, block, budget, max_seqs, rng.random() < 0.7, pool, group_size, requests)
+    caching = rng.random() < 0.7
+    kv_store = rng.choice(["all", "tail"])  # drawn last: the other fields are as before it existed
+    return Case(family, size, block, budget, max_seqs, caching, pool, group_size, requests, kv_store=kv_store)
 
 
 def _engine(model, case: Case, num_blocks: int | None) -> LLMEngine:
     return LLMEngine(model, EngineConfig(
         block_size=case.block, num_blocks=num_blocks, max_model_len=MAX_LEN, max_num_batched_tokens=case.budget,
         max_num_seqs=case.max_seqs, enable_prefix_caching=case.caching, group_size=case.group_size,
-        debug_checks=True))
+        kv_store=case.kv_store, debug_checks=True))
 
 
 def _pools(model, case: Case) -> tuple[int, int]:
@@ -345,7 +350,7 @@ def check_case(variants, case: Case, run: Run) -> None:
 
 @pytest.mark.parametrize("family", slow_except(list(FAMILIES), 0))  # the fast tier: mistral
 def test_engine_matches_transformers(family, variants):
-    seen = {"preempted": 0, "hit": 0, "caching": set(), "sizes": set()}
+    seen = {"preempted": 0, "hit": 0, "caching": set(), "sizes": set(), "stores": set()}
     for seed in range(CASES):
         case = make_case(family, seed)
         try:
@@ -357,8 +362,10 @@ def test_engine_matches_transformers(family, variants):
         seen["hit"] += sum(o.num_cached_tokens for o in run.outputs.values())
         seen["caching"].add(case.caching)
         seen["sizes"].add(case.size)
+        seen["stores"].add(case.kv_store)
     # the cases reach what they are meant to
     assert seen["preempted"] > 0 and seen["hit"] > 0 and seen["caching"] == {True, False}, seen
+    assert seen["stores"] == {"all", "tail"}, seen
     if FAMILIES[family][2] != "full":
         assert 1 in seen["sizes"] and max(seen["sizes"]) > 8, seen["sizes"]
 

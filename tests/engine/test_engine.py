@@ -123,6 +123,48 @@ def test_engine_matches_hf(arch, caching, backend, refs):
     assert (engine.nulled_seen > 0) == local  # dead window / chunk blocks were given back
 
 
+# kv_store "tail": chunks of 40 over windows / chunks of 10-20 leave whole blocks unstored
+TAIL = [(a, "reference") if a in ("gemma3", "llama4_dense") else pytest.param(a, "reference", marks=pytest.mark.slow)
+        for a in ARCHS]
+TAIL += [pytest.param("gemma3", "triton", marks=pytest.mark.slow)] if "triton" in BACKENDS else []  # ~60 s
+
+
+@pytest.mark.parametrize("arch,backend", TAIL)
+def test_tail_only_engine_matches_hf(arch, backend, refs, monkeypatch):
+    """``kv_store="tail"``: HF's tokens and logits, prefix hits on the shared system prompt, and
+    the steps really left blocks unstored where the model has windowed layers (C alone, first:
+    fewer blocks held at its peak)."""
+    from hybridkv.engine.attention import metadata
+
+    gaps = []
+    real = metadata.gap_groups
+    monkeypatch.setattr(metadata, "gap_groups", lambda *a: gaps.append(real(*a)) or gaps[-1])
+    path, want = refs(arch)
+    peaks = {}
+    for store in ("all", "tail") if backend == "reference" else ("tail",):
+        engine = LLMEngine(path, EngineConfig(block_size=4, num_blocks=400, max_num_batched_tokens=40,
+                                              max_model_len=256, attention_backend=backend, kv_store=store,
+                                              debug_checks=True))
+        peak = [0]
+        step = engine.step
+        def counted():  # noqa: E306
+            out = step()
+            peak[0] = max(peak[0], 399 - engine.kv.num_free_blocks)
+            return out
+        engine.step = counted
+        outputs, logits = drive(engine, {0: ["C"]})
+        peaks[store] = peak[0]
+        check(outputs, logits, {"C": want["C"]})
+        engine.kv.reset_prefix_cache()
+        outputs, logits = drive(engine, {0: ["A", "C"], 4: ["B"], 9: ["D"]})
+        check(outputs, logits, want)
+        assert engine.kv.num_free_blocks == 399
+    local = any(k != "full" for k, _ in engine.model.layer_attention_types())
+    assert any(gaps) == local, len(gaps)
+    if "all" in peaks:
+        assert (peaks["tail"] < peaks["all"]) == local, peaks
+
+
 EVICTION = [(a, "reference") if a == "gemma3" else pytest.param(a, "reference", marks=pytest.mark.slow) for a in ARCHS]
 EVICTION += [pytest.param(a, "triton", marks=pytest.mark.slow)
              for a in ("gemma3", "llama4_dense", "gpt_oss") if "triton" in BACKENDS and a in ARCHS]

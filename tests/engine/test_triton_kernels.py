@@ -57,9 +57,11 @@ def make_case(rng, kind, size, page, seqs, hq, hkv, d, dtype, num_blocks):
 
 
 def run_step(seed, kind, size, page, seqs, hq=4, hkv=2, d=16, dtype=torch.float32, sinks=False,
-             softcap=None, num_splits=None, outputs_only=False, query_dtype=None):
+             softcap=None, num_splits=None, outputs_only=False, query_dtype=None, tail_only=False):
     """``dtype``: the cache's (and by default the query's; ``query_dtype``: an fp32 model over a
-    bf16 / fp16 cache, ``--kv-cache-dtype``)."""
+    bf16 / fp16 cache, ``--kv-cache-dtype``). ``tail_only``: each sequence's gap (the blocks of
+    its own new tokens no later token reads, the core's rule) maps to the NaN null block and its
+    tokens get slot -1; the kernel reads the step's keys from its K / V (two sources)."""
     rng = random.Random(seed)
     num_blocks = sum(-(-(n + q) // page) for n, q in seqs) + 3
     k_cache, v_cache, table, hist = make_case(rng, kind, size, page, seqs, hq, hkv, d, dtype, num_blocks)
@@ -70,8 +72,15 @@ def run_step(seed, kind, size, page, seqs, hq=4, hkv=2, d=16, dtype=torch.float3
     query = torch.randn(num_tokens, hq, d, generator=gen).to(query_dtype or dtype)
     sink = torch.randn(hq, generator=gen) * 2 if sinks else None
     scale = 0.7 / d**0.5
-    # this step's K/V: one write of all T tokens
-    slots = [table[s, p // page].item() * page + p % page for s, (n, q) in enumerate(seqs) for p in range(n, n + q)]
+    gaps = 0
+    if tail_only:
+        for s, (n, q) in enumerate(seqs):
+            lo, hi = -(-n // page), min(_dead_before(kind, size, n + q) // page, (n + q - 1) // page)
+            table[s, lo:max(lo, hi)] = 0
+            gaps += max(0, hi - lo)
+    # this step's K/V: one write of all T tokens (a gap's: slot -1, not stored)
+    slots = [table[s, p // page].item() * page + p % page if table[s, p // page] else -1
+             for s, (n, q) in enumerate(seqs) for p in range(n, n + q)]
     new_k = torch.cat([k[n:] for (n, _), (k, _) in zip(seqs, hist)])
     new_v = torch.cat([v[n:] for (n, _), (_, v) in zip(seqs, hist)])
     write_kv(new_k.to(DEVICE), new_v.to(DEVICE), *(t for t in (k_cache, v_cache)), torch.tensor(slots))
@@ -85,6 +94,10 @@ def run_step(seed, kind, size, page, seqs, hq=4, hkv=2, d=16, dtype=torch.float3
     else:
         plan = query_blocks(starts, q_lens, block_q_for(hq // hkv, False))
         q_in = query
+    new_kv = None
+    if tail_only:
+        rows0 = [sum(q_lens[:s]) for s in range(len(seqs))]
+        new_kv = tuple(dev(t) for t in (new_k, new_v, torch.tensor(starts), torch.tensor(rows0)))
     if num_splits is not None:  # decode kernel: every sequence computes one token
         assert all(q == 1 for q in q_lens)
         out = paged_attention_fwd(dev(q_in), dev(k_cache), dev(v_cache), dev(table), dev(seq_lens), kind, size,
@@ -92,7 +105,7 @@ def run_step(seed, kind, size, page, seqs, hq=4, hkv=2, d=16, dtype=torch.float3
     else:
         plan_t = torch.tensor(plan, dtype=torch.int64).view(-1, 4)
         out = paged_attention_fwd(dev(q_in), dev(k_cache), dev(v_cache), dev(table), dev(seq_lens), kind, size,
-                                  scale, plan=dev(plan_t), sinks=sink, softcap=softcap)
+                                  scale, plan=dev(plan_t), sinks=sink, softcap=softcap, new_kv=new_kv)
     out = out.cpu()
     assert not torch.isnan(out).any(), "read a slot nobody wrote"
     tol = 2e-5 if dtype == torch.float32 else 3e-2
@@ -107,7 +120,17 @@ def run_step(seed, kind, size, page, seqs, hq=4, hkv=2, d=16, dtype=torch.float3
         start += q
     # the write went exactly to the slots: each new key is where its table says
     flat = k_cache.view(hkv, -1, d)
-    torch.testing.assert_close(flat[:, torch.tensor(slots)].permute(1, 0, 2), new_k)
+    stored = torch.tensor(slots) >= 0
+    torch.testing.assert_close(flat[:, torch.tensor(slots)[stored]].permute(1, 0, 2), new_k[stored])
+    assert torch.isnan(k_cache[:, 0]).all()  # the null block: never written
+    return gaps
+
+
+def _dead_before(kind, size, e):
+    """Tokens no query from position e on reads (the core's num_skipped_tokens)."""
+    if kind == "sliding":
+        return max(0, e - size + 1)
+    return e // size * size if kind == "chunked" else 0
 
 
 KINDS = [("full", None), ("sliding", 1), ("sliding", 7), ("sliding", 16), ("chunked", 1), ("chunked", 10),
@@ -132,6 +155,19 @@ def test_random_steps(seed):
     seqs = [(rng.choice([0, rng.randint(0, 60)]), rng.choice([1, 1, rng.randint(1, 40)])) for _ in range(rng.randint(1, 4))]
     run_step(seed, kind, size, page, seqs, hq=hq, hkv=hkv, d=d, sinks=rng.random() < 0.3,
              softcap=rng.choice([None, None, 1.5]), outputs_only=rng.random() < 0.25)
+
+
+@pytest.mark.parametrize("seed", slow_except(range(10), 0, 1))
+def test_two_sources_for_unstored_gaps(seed):
+    """tail_only: chunks longer than a window / chunk leave whole blocks unstored (NaN, slot -1);
+    attention reads them from the step's K / V and equals the dense reference."""
+    rng = random.Random(2000 + seed)
+    kind = ["sliding", "chunked"][seed % 2]
+    size, page = rng.randint(1, 12), rng.randint(1, 6)
+    seqs = [(rng.choice([0, rng.randint(0, 40)]), rng.randint(1, 50)) for _ in range(rng.randint(1, 3))] + [(9, 1)]
+    gaps = run_step(seed, kind, size, page, seqs, hq=2, hkv=1, d=16, sinks=seed % 3 == 0,
+                    softcap=[None, 1.5][seed % 2], outputs_only=seed % 4 == 1, tail_only=True)
+    assert gaps > 0 or all(q <= size + page for _, q in seqs)
 
 
 @pytest.mark.parametrize("kind,size", slow_except([("full", None), ("sliding", 5), ("chunked", 12)], 1, multi=True))

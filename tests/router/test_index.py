@@ -47,6 +47,7 @@ from tests.support.manager_machines import (  # noqa: E402
     PREFIXES,
     HybridManagerMachine,
     MixedStripeWidthsMachine,
+    TailOnlyMachine,
 )
 from tests.support.tiers import examples, slow_except  # noqa: E402
 
@@ -148,6 +149,12 @@ class SparseOnlyIndexMachine(IndexOracle, SparseOnlyMachine):
     pass
 
 
+class TailOnlyIndexMachine(IndexOracle, TailOnlyMachine):
+    """tail_only groups store runs whose parent sits in their gap: a full group (cached first,
+    :attr:`~hybridkv.core.coordinator.KVCacheCoordinator.cache_order`) stored that parent, so
+    every run chains and the index still scores the replica's own hit."""
+
+
 _SETTINGS = settings(max_examples=examples(30), stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestHybridIndex = HybridIndexMachine.TestCase
 TestHybridIndex.settings = _SETTINGS
@@ -157,6 +164,8 @@ TestStateIndex = StateIndexMachine.TestCase
 TestStateIndex.settings = _SETTINGS
 TestSparseOnlyIndex = SparseOnlyIndexMachine.TestCase
 TestSparseOnlyIndex.settings = _SETTINGS
+TestTailOnlyIndex = TailOnlyIndexMachine.TestCase
+TestTailOnlyIndex.settings = _SETTINGS
 
 
 # ------------------------------------------------------------------ the oracle, a real tiny engine

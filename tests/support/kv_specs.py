@@ -10,12 +10,14 @@ def full(bs: int = 4) -> FullAttentionSpec:
     return FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype="float32")
 
 
-def sliding(window: int, bs: int = 4) -> SlidingWindowSpec:
-    return SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype="float32", sliding_window=window)
+def sliding(window: int, bs: int = 4, tail_only: bool = False) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype="float32", sliding_window=window,
+                             tail_only=tail_only)
 
 
-def chunked(chunk: int, bs: int = 4) -> ChunkedLocalAttentionSpec:
-    return ChunkedLocalAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype="float32", attention_chunk_size=chunk)
+def chunked(chunk: int, bs: int = 4, tail_only: bool = False) -> ChunkedLocalAttentionSpec:
+    return ChunkedLocalAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype="float32",
+                                     attention_chunk_size=chunk, tail_only=tail_only)
 
 
 def fake_hashes(n: int) -> list[bytes]:

@@ -81,16 +81,20 @@ class HybridManagerMachine(RuleBasedStateMachine):
             req.append_token_ids(50 + req.num_tokens % 3)
 
     def _check_readable(self, rid, n, num_new):
-        """The tokens about to be computed (n .. n+num_new-1) can read every block they attend to."""
+        """The tokens about to be computed (n .. n+num_new-1) can read every block they attend to
+        (tail_only: the blocks before n; of their own, those later tokens read, which are stored)."""
+        e = n + num_new
         for spec, table in zip(self.specs, self.kv.get_block_ids(rid)):
-            assert len(table) >= cdiv(n + num_new, BS)
-            if spec.kind == "full_attention":
-                first = 0
-            elif spec.kind == "sliding_window":
-                first = max(0, n - spec.sliding_window + 1)
-            else:
-                first = n // spec.attention_chunk_size * spec.attention_chunk_size
-            assert 0 not in table[first // BS:cdiv(n + num_new, BS)], (spec.kind, n, num_new, table)
+            assert len(table) >= cdiv(e, BS)
+            first, dead_after = _first_key(spec, n), _first_key(spec, e)
+            if not getattr(spec, "tail_only", False):
+                assert 0 not in table[first // BS:cdiv(e, BS)], (spec.kind, n, num_new, table)
+                continue
+            assert 0 not in table[first // BS:cdiv(n, BS)], (spec.kind, n, num_new, table)
+            tail = max(cdiv(n, BS), min(dead_after // BS, (e - 1) // BS))
+            assert 0 not in table[tail:cdiv(e, BS)], (spec.kind, n, num_new, table)
+            # and only those: a new position wholly dead at e holds no block (unless held from before)
+            self.gap_seen |= 0 in table[cdiv(n, BS):tail]
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -112,18 +116,15 @@ class HybridManagerMachine(RuleBasedStateMachine):
     def consistent(self):
         self.kv.check_invariants()
 
+    gap_seen = False
+
     @invariant()
     def tables_hold_exactly_what_attention_needs(self):
         for rid, req in self.running.items():
             n = req.num_computed_tokens
             for spec, table in zip(self.specs, self.kv.get_block_ids(rid)):
                 assert len(table) >= cdiv(n, BS)
-                if spec.kind == "full_attention":
-                    dead = 0
-                elif spec.kind == "sliding_window":
-                    dead = max(0, n - spec.sliding_window + 1) // BS
-                else:
-                    dead = n // spec.attention_chunk_size * spec.attention_chunk_size // BS
+                dead = _first_key(spec, n) // BS
                 # allocate_slots frees lazily (at the next call), so up to `dead` may be null
                 assert all(b != 0 for b in table[dead:]), (spec.kind, n, table)
                 # every block a future token can read is live
@@ -136,6 +137,24 @@ class HybridManagerMachine(RuleBasedStateMachine):
         self.kv.check_invariants()
         assert self.kv.num_free_blocks == self.NUM_BLOCKS - 1
         assert self.kv.usage == 0.0
+
+
+def _first_key(spec, n: int) -> int:
+    """The first token a query at position ``n`` reads under ``spec``."""
+    if spec.kind == "full_attention":
+        return 0
+    if spec.kind == "sliding_window":
+        return max(0, n - spec.sliding_window + 1)
+    return n // spec.attention_chunk_size * spec.attention_chunk_size
+
+
+class TailOnlyMachine(HybridManagerMachine):
+    """The hybrid machine with ``tail_only`` windowed groups (stripes of 2 and 1), a plain
+    sliding group beside them: a step's dead new blocks are never stored."""
+
+    SPECS = (full(BS), sliding(WINDOW, BS, True), chunked(CHUNK, BS, True), chunked(CHUNK2, BS, True),
+             chunked(CHUNK, BS, True), sliding(3, BS, True), sliding(WINDOW, BS))
+    NUM_BLOCKS = 48
 
 
 class MixedStripeWidthsMachine(HybridManagerMachine):

@@ -10,7 +10,7 @@ import importlib
 from hybridkv.cli.options import int_range, memory, tokens
 from hybridkv.core.specs import kv_cache_dtype
 from hybridkv.engine.attention.registry import backend_names, resolve_backend
-from hybridkv.engine_config import DTYPES, ENGINE_DEFAULTS as D, KV_CACHE_DTYPES, QUANTIZATIONS
+from hybridkv.engine_config import DTYPES, ENGINE_DEFAULTS as D, KV_CACHE_DTYPES, KV_STORES, QUANTIZATIONS
 from hybridkv.errors import InvalidConfigError, PoolTooSmallError
 from hybridkv.planner.sizes import format_bytes
 
@@ -29,6 +29,11 @@ def add_engine_options(p: argparse.ArgumentParser, *, max_num_seqs_default: str)
                    help="the KV cache's dtype, for any weights (--quantization included): auto is --dtype's; "
                         "bfloat16 / float16 halve float32's bytes a token (attention computed in float32 over "
                         f"the stored values; default {D['kv_cache_dtype']})")
+    p.add_argument("--kv-store", choices=KV_STORES, default=D["kv_store"],
+                   help="which K/V sliding-window and chunked-local layers store: all (every computed token's, "
+                        "as vLLM) or tail (only what later tokens read: a prefill chunk keeps its last W - 1 tokens "
+                        "and attends to the rest where they were computed; less KV per prefilling request, prefix "
+                        f"hits only where a step ended) (default {D['kv_store']})")
     p.add_argument("--block-size", type=int_range(1), default=D["block_size"],
                    help=f"tokens per KV cache block (default {D['block_size']})")
     p.add_argument("--num-blocks", type=int_range(2, why=" (the null block and one usable)"), default=None,
@@ -75,6 +80,7 @@ def engine_config(args: argparse.Namespace, max_num_seqs: int):
         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs or max_num_seqs, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        kv_store=args.kv_store,
         max_num_batched_tokens=args.max_num_batched_tokens, hybrid=not args.no_hybrid,
         prefix_cache_retention_interval=args.prefix_cache_retention_interval,
     )
@@ -130,7 +136,8 @@ def check_kv_pool_fits(args: argparse.Namespace, config: dict, label: str) -> No
     layout = KVLayout.plan(config, label=label, block_size=args.block_size, dtype=args.dtype,
                                kv_dtype=kv_cache_dtype(args.kv_cache_dtype, args.dtype),
                                max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                               hybrid=not args.no_hybrid, memory_bytes=args.kv_cache_memory)
+                               hybrid=not args.no_hybrid, memory_bytes=args.kv_cache_memory,
+                               tail_only=args.kv_store == "tail")
     if args.num_blocks is None and args.kv_cache_memory is None:
         return
     per_block = layout.bytes_per_block

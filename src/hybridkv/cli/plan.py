@@ -53,6 +53,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="the KV cache's dtype, e.g. bfloat16, float32, fp8: auto is the model's (--dtype), the "
                         "rule generate / serve follow (default auto)")
+    parser.add_argument("--kv-store", choices=("all", "tail"), default="all",
+                        help="which K/V windowed layers store: all (as vLLM) or tail (only what later tokens read; "
+                        "generate / serve --kv-store) (default all)")
     parser.add_argument("--no-hybrid", action="store_true",
                         help="use the all-full-attention layout (hybrid KV cache management off; default on)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (default: a table)")
@@ -69,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=kv_cache_dtype(args.kv_cache_dtype, args.dtype),
         hybrid=not args.no_hybrid,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        tail_only=args.kv_store == "tail",
     )
     if args.json:
         write_out(json.dumps(plan_to_dict(plan), indent=2))

@@ -91,6 +91,9 @@ class KVCacheCoordinator:
         # request id -> (its live id lists by group, the striped managers' states to sync)
         self._ids: dict[str, tuple[tuple[list[int], ...], list]] = {}
         self.striped_managers = [m for m in self.managers if m.width > 1]
+        #: the order blocks get their addresses (and KV events): tail_only managers last, so a
+        #: run of theirs whose parent sits in their gap follows another group's event storing it
+        self.cache_order = sorted(self.managers, key=lambda m: m.tail_only)
 
     def new_step_starts(self) -> None:
         for m in self.state_managers:
@@ -227,26 +230,36 @@ class KVCacheCoordinator:
             m.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, hit: dict | None, num_computed_tokens: int
+        self, request_id: str, num_tokens: int, hit: dict | None, num_computed_tokens: int,
+        step_end: int | None = None,
     ) -> int:
-        """Blocks needed over all managers; ``hit`` from :meth:`find_hit` for a new request."""
+        """Blocks needed over all managers; ``hit`` from :meth:`find_hit` for a new request;
+        ``step_end``: the step computes tokens ``[num_computed_tokens, step_end)`` (``tail_only``
+        managers leave its gap unstored)."""
         total = 0
         for m in self.managers:
-            total += m.get_num_blocks_to_allocate(request_id, num_tokens, hit.get(m) if hit else None,
-                                                  num_computed_tokens)
+            if m.tail_only:  # the step's own dead blocks cost nothing
+                total += m.get_num_blocks_to_allocate(request_id, num_tokens, hit.get(m) if hit else None,
+                                                      num_computed_tokens, step_end)
+            else:
+                total += m.get_num_blocks_to_allocate(request_id, num_tokens, hit.get(m) if hit else None,
+                                                      num_computed_tokens)
         return total
 
     def save_new_computed_blocks(self, request_id: str, hit: dict | None, num_computed_tokens: int) -> None:
         for m in self.managers:
             m.save_new_computed_blocks(request_id, hit.get(m) if hit else None, num_computed_tokens)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> dict:
-        """Grow every manager's tables; {manager: its new blocks (stripe leads)} (see :meth:`expand`)."""
-        return {m: m.allocate_new_blocks(request_id, num_tokens) for m in self.managers}
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
+                            step_end: int | None = None) -> dict:
+        """Grow every manager's tables; {manager: its new blocks (stripe leads)} (see :meth:`expand`);
+        ``num_computed_tokens`` / ``step_end`` as in :meth:`get_num_blocks_to_allocate`."""
+        return {m: m.allocate_new_blocks(request_id, num_tokens, num_computed_tokens, step_end) if m.tail_only
+                else m.allocate_new_blocks(request_id, num_tokens) for m in self.managers}
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         if self.enable_caching:
-            for m in self.managers:
+            for m in self.cache_order:
                 m.cache_blocks(request, num_tokens)
 
     def uncache_from(self, request_id: str, first: int) -> int:

@@ -216,7 +216,7 @@ class KVCacheManager:
 
         if live is not None and (quiet is None or computed >= quiet.skip_at):
             coord.remove_skipped_blocks(rid, computed)  # a block may have died
-        need = coord.get_num_blocks_to_allocate(rid, num_slots, hit, num_computed)
+        need = coord.get_num_blocks_to_allocate(rid, num_slots, hit, num_computed, num_tokens)
         if need > self.pool.num_free_blocks:
             return None
 
@@ -224,7 +224,7 @@ class KVCacheManager:
             coord.save_new_computed_blocks(rid, hit, num_computed)
             self._live[rid] = request
             self._freed.discard(rid)
-        new = coord.allocate_new_blocks(rid, num_slots)
+        new = coord.allocate_new_blocks(rid, num_slots, num_computed, num_tokens)
         if self.enable_caching:
             coord.cache_blocks(request, min(num_tokens, request.num_tokens))
         self._remember_quiet(request)

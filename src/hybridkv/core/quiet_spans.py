@@ -50,6 +50,8 @@ def quiet_span(request: Request, managers: Iterable, block_size: int, max_model_
             limit = slots
         if enable_caching and (st.num_cached + 1) * bs - 1 < limit:
             limit = (st.num_cached + 1) * bs - 1
+        if st.gap != (0, 0):  # a tail_only step's unstored blocks: the next call must see them
+            limit = -1
         at = m.next_skip_at(st.num_skipped)
         if at < skip_at:
             skip_at = at

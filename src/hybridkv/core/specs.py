@@ -23,6 +23,12 @@ budget 2048)::
     SlidingWindowSpec(window 1024).max_num_blocks(1_000_000, 1024)
         = 1023 kept + 1024 new = 2047 tokens starting anywhere in a block
           -> (2047 - 1) // 16 + 2 = 129
+    SlidingWindowSpec(window 1024, tail_only=True).max_num_blocks(1_000_000, 1024)
+        = the 1023 tokens before the chunk + the chunk's last 1023 (the rest is never stored)
+          -> 2 * cdiv(1023 + 15, 16) = 130 (the budget no longer counts: 130 at any budget)
+
+``tail_only`` (sliding window and chunked local): a step stores only the K/V that later
+tokens read; see :func:`tail_only_blocks` and :class:`~hybridkv.core.managers.base.AttentionManager`.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ __all__ = [
     "dtype_bytes",
     "cdiv",
     "span_blocks",
+    "tail_only_blocks",
     "CacheSpec",
     "KVCacheSpec",
     "FullAttentionSpec",
@@ -110,6 +117,36 @@ def span_blocks(num_tokens: int, block_size: int, alignment: int = 1) -> int:
     if num_tokens <= 0:
         return 0
     return (block_size - gcd(alignment, block_size) + num_tokens - 1) // block_size + 1
+
+
+def tail_only_blocks(span: int, block_size: int, alignment: int = 1) -> int:
+    """Most blocks one request holds in a ``tail_only`` layer reading ``span`` tokens back
+    (sliding window W, chunk C) whose skipped prefix starts at multiples of ``alignment``
+    (sliding 1, chunked C), at any step budget.
+
+    A step computing tokens ``[s, e)`` holds the blocks before ``s`` that later tokens still
+    read (its *history*: tokens from the block holding ``num_skipped_tokens(s)`` to ``s``)
+    and, of its own, only the blocks from the one holding ``num_skipped_tokens(e)`` (its
+    *tail*; the block of its last token at least): each at most ``h = cdiv(span - 1 + block
+    - gcd(alignment, block), block)`` blocks. So ``h + max(h, 1)``: sliding 512, block 16:
+    h = cdiv(526, 16) = 33 -> 66; chunked 8192, block 16: h = 512 -> 1024.
+    """
+    h = cdiv(span - 1 + block_size - gcd(alignment, block_size), block_size)
+    return h + max(h, 1)
+
+
+def _held_tokens(span: int, tail_only: bool, max_model_len: int, max_num_batched_tokens: int | None) -> int:
+    """Most tokens of one request a windowed layer holds: the ``span - 1`` before a step and the
+    step's new ones (``tail_only``: only its last ``span - 1``, its last token at least)."""
+    new = _budget(max_model_len, max_num_batched_tokens)
+    if tail_only:
+        new = min(new, max(span - 1, 1))
+    return min(span - 1 + new, max_model_len)
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidSpecError(f"{name} must be a bool, got {value!r}")
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -275,14 +312,21 @@ class SlidingWindowSpec(KVCacheSpec):
     ``W - 1`` kept tokens plus ``budget`` new ones, starting anywhere in a block:
     window 1024, block 16, budget 1024 → 2047 tokens → (2047 - 1) // 16 + 2 = 129
     blocks (vLLM: cdiv(2047, 16) + 1 = 129); decode only (budget 1) → 65.
+
+    ``tail_only``: a step's tokens that no later token reads (all but its last W - 1) get
+    no block: the step attends to them where they were computed. At most
+    :func:`tail_only_blocks` (W 1024, block 16: 130) at any budget; prefix hits then end
+    where a stored run of W - 1 tokens ends (a step's end, or decoded tokens).
     """
 
     sliding_window: int
+    tail_only: bool = False
     kind: ClassVar[str] = "sliding_window"
 
     def __post_init__(self) -> None:
         KVCacheSpec.__post_init__(self)
         _check_positive_int("sliding_window", self.sliding_window)
+        _check_bool("tail_only", self.tail_only)
 
     @property
     def type_id(self) -> str:
@@ -297,10 +341,11 @@ class SlidingWindowSpec(KVCacheSpec):
         return span is not None and span <= self.sliding_window
 
     def max_num_tokens(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
-        return min(self.sliding_window - 1 + _budget(max_model_len, max_num_batched_tokens), max_model_len)
+        return _held_tokens(self.sliding_window, self.tail_only, max_model_len, max_num_batched_tokens)
 
     def _max_blocks(self, max_model_len: int, budget: int) -> int:
-        return span_blocks(self.sliding_window - 1 + budget, self.block_size)
+        every = span_blocks(self.sliding_window - 1 + budget, self.block_size)
+        return min(every, tail_only_blocks(self.sliding_window, self.block_size)) if self.tail_only else every
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -313,14 +358,20 @@ class ChunkedLocalAttentionSpec(KVCacheSpec):
     start (block-aligned when C is a multiple of the block): chunk 256, block 16,
     budget 512 → 767 tokens → 48 blocks (vLLM: cdiv(256 + 512, 16) = 48); chunk 5,
     block 4, budget 1 → 5 tokens from offset 0..3 (gcd 1) → 2 blocks.
+
+    ``tail_only``: a step's tokens before the chunk its last token is in get no block (no
+    later token reads them): at most :func:`tail_only_blocks` (chunk 8192, block 16: 1024)
+    at any budget; prefix hits then end in the chunk where a step ended.
     """
 
     attention_chunk_size: int
+    tail_only: bool = False
     kind: ClassVar[str] = "chunked_local_attention"
 
     def __post_init__(self) -> None:
         KVCacheSpec.__post_init__(self)
         _check_positive_int("attention_chunk_size", self.attention_chunk_size)
+        _check_bool("tail_only", self.tail_only)
 
     @property
     def type_id(self) -> str:
@@ -335,7 +386,9 @@ class ChunkedLocalAttentionSpec(KVCacheSpec):
         return span == 1 or (other.kind == self.kind and self.attention_chunk_size % span == 0)
 
     def max_num_tokens(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
-        return min(self.attention_chunk_size - 1 + _budget(max_model_len, max_num_batched_tokens), max_model_len)
+        return _held_tokens(self.attention_chunk_size, self.tail_only, max_model_len, max_num_batched_tokens)
 
     def _max_blocks(self, max_model_len: int, budget: int) -> int:
-        return span_blocks(self.attention_chunk_size - 1 + budget, self.block_size, self.attention_chunk_size)
+        chunk = self.attention_chunk_size
+        every = span_blocks(chunk - 1 + budget, self.block_size, chunk)
+        return min(every, tail_only_blocks(chunk, self.block_size, chunk)) if self.tail_only else every

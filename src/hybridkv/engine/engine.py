@@ -133,7 +133,7 @@ class LLMEngine:
         self.layout = layout = KVLayout.plan(
             m.config, family=m.family, block_size=config.block_size, dtype=config.dtype, kv_dtype=config.kv_dtype,
             max_model_len=self.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
-            hybrid=config.hybrid, group_size=config.group_size, memory_bytes=memory,
+            hybrid=config.hybrid, group_size=config.group_size, memory_bytes=memory, tail_only=config.tail_only,
         )
         #: the layers as the planner reads them (the specs of the hybrid layout)
         self.layers = layout.layers

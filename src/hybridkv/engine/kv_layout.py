@@ -54,12 +54,14 @@ DEFAULT_POOL_CAP_BYTES = 1 << 30
 
 
 def engine_layers(config: Mapping[str, Any], *, family: str, block_size: int, dtype: str,
-                  label: str = "config", kv_dtype: str | None = None) -> ModelLayers:
+                  label: str = "config", kv_dtype: str | None = None, tail_only: bool = False) -> ModelLayers:
     """The planner's caches of a language model's flat ``config`` as the engine stores them: the
-    model at ``dtype`` (conv states), attention KV at ``kv_dtype`` (None: ``dtype``)."""
+    model at ``dtype`` (conv states), attention KV at ``kv_dtype`` (None: ``dtype``); ``tail_only``:
+    windowed layers store only what later tokens read (``EngineConfig.kv_store`` "tail")."""
     stored = {**config, "dtype": dtype, "mamba_ssm_dtype": ENGINE_SSM_DTYPE}
     stored.pop("torch_dtype", None)
-    return model_layers(stored, family=family, label=label, block_size=block_size, dtype=kv_dtype or dtype)
+    return model_layers(stored, family=family, label=label, block_size=block_size, dtype=kv_dtype or dtype,
+                        tail_only=tail_only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,15 +93,17 @@ class KVLayout:
         group_size: int | None = None,
         memory_bytes: int | None = None,
         kv_dtype: str | None = None,
+        tail_only: bool = False,
     ) -> "KVLayout":
         """``config``: a ``config.json`` (``family`` None: found from it, multimodal ones
         flattened) or a model's flat config with its ``family``. ``max_model_len`` None:
         the config's ``max_position_embeddings``. ``kv_dtype``: the attention KV's dtype
-        (None: ``dtype``, the engine's)."""
+        (None: ``dtype``, the engine's). ``tail_only``: see :func:`engine_layers`."""
         if family is None:
             family = find_family(config, label)[0].name
             config = language_model_config(config, family=family, label=label)
-        layers = engine_layers(config, family=family, block_size=block_size, dtype=dtype, label=label, kv_dtype=kv_dtype)
+        layers = engine_layers(config, family=family, block_size=block_size, dtype=dtype, label=label, kv_dtype=kv_dtype,
+                               tail_only=tail_only)
         max_len = max_model_len or layers.max_position_embeddings or DEFAULT_MAX_POSITION_EMBEDDINGS
         budget = max_num_batched_tokens
         full = full_attention_grouping(layers, max_len, budget, memory_bytes=memory_bytes)

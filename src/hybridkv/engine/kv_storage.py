@@ -266,7 +266,9 @@ class PagedKVStorage:
         kv[h:].index_copy_(1, slot_mapping, value.transpose(0, 1))
 
     def check_slots(self, layer: int, slot_mapping: torch.Tensor) -> None:
-        """Refuse (InvariantViolation) a write to the null block or past the pool (reads the slots back)."""
+        """Refuse (InvariantViolation) a write to the null block or past the pool (reads the slots back;
+        a negative slot, which a tail_only gap's token gets, writes nothing and is allowed)."""
+        slot_mapping = slot_mapping[slot_mapping >= 0]
         if not slot_mapping.numel():
             return
         lo = int(slot_mapping.min())

@@ -265,12 +265,12 @@ def _check_dtype(dtype: str, error: type[Exception], what: str) -> None:
         raise error(f"{what} {dtype!r} is not supported; expected one of {sorted(DTYPE_BYTES)}") from None
 
 
-def _spec(kind: LayerKind, **common: Any) -> KVCacheSpec:
+def _spec(kind: LayerKind, tail_only: bool = False, **common: Any) -> KVCacheSpec:
     """The core spec of a layer kind: the one map from our kinds to the core's spec classes."""
     if kind.kind == SLIDING_KIND:
-        return SlidingWindowSpec(sliding_window=kind.size, **common)
+        return SlidingWindowSpec(sliding_window=kind.size, tail_only=tail_only, **common)
     if kind.kind == CHUNKED_KIND:
-        return ChunkedLocalAttentionSpec(attention_chunk_size=kind.size, **common)
+        return ChunkedLocalAttentionSpec(attention_chunk_size=kind.size, tail_only=tail_only, **common)
     return FullAttentionSpec(**common)
 
 
@@ -330,12 +330,14 @@ def model_layers(
     block_size: int = 16,
     dtype: str | None = None,
     family: str | None = None,
+    tail_only: bool = False,
 ) -> ModelLayers:
     """Every layer's KV cache spec for ``config`` (a parsed ``config.json``).
 
     ``dtype`` overrides the config's (e.g. ``"fp8"`` for an 8-bit KV cache); ``family``
     names the family when the caller knows it (the engine's model classes do), else
-    :func:`find_family` picks it from the config.
+    :func:`find_family` picks it from the config. ``tail_only``: sliding-window and
+    chunked-local layers store only what later tokens read (the specs' ``tail_only``).
 
     >>> from hybridkv.planner.presets import load_model_config
     >>> m = model_layers(load_model_config("llama4-scout").config)
@@ -379,7 +381,7 @@ def model_layers(
     caches: list[tuple[int, CacheSpec]] = []
     for i, kind in enumerate(kinds):
         if kind.attention is not None:
-            caches.append((i, _spec(LayerKind(kind.attention, kind.size), **common)))
+            caches.append((i, _spec(LayerKind(kind.attention, kind.size), tail_only, **common)))
         if kind.has_state:
             caches.append((i, state))
     if not caches:

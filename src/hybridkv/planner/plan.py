@@ -261,10 +261,12 @@ def plan_model(
     dtype: str | None = None,
     hybrid: bool = True,
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    tail_only: bool = False,
 ) -> MemoryPlan:
     """Plan a preset name or ``config.json`` path; sizes may be strings ("80GiB", "1M").
 
-    ``max_model_len`` None uses the config's ``max_position_embeddings``.
+    ``max_model_len`` None uses the config's ``max_position_embeddings``; ``tail_only``: windowed
+    layers store only what later tokens read (:func:`~hybridkv.planner.architectures.model_layers`).
 
     >>> plan = plan_model("llama4-scout", memory="80GiB", max_model_len="1M")
     >>> plan.hybrid.num_blocks, plan.full.num_blocks, plan.hybrid.blocks_per_request, round(plan.concurrency_ratio, 2)
@@ -274,7 +276,8 @@ def plan_model(
     tokens = None if max_model_len is None else parse_tokens(max_model_len)
     loaded = load_model_config(source)
     name = loaded.preset.hf_repo if loaded.preset is not None else loaded.label
-    model = model_layers(loaded.config, label=loaded.label, name=name, block_size=block_size, dtype=dtype)
+    model = model_layers(loaded.config, label=loaded.label, name=name, block_size=block_size, dtype=dtype,
+                         tail_only=tail_only)
     if tokens is None:
         if model.max_position_embeddings is None:
             raise InvalidArgumentError(f"{loaded.label}: max_position_embeddings is null; give a max model length")

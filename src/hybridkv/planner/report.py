@@ -34,10 +34,11 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: s
 def _attention(spec: CacheSpec) -> str:
     if isinstance(spec, StateSpec):
         return f"{spec.state_type} state"
+    tail = ", tail" if getattr(spec, "tail_only", False) else ""  # --kv-store tail
     if hasattr(spec, "sliding_window"):
-        return f"sliding_window ({spec.sliding_window})"
+        return f"sliding_window ({spec.sliding_window}{tail})"
     if hasattr(spec, "attention_chunk_size"):
-        return f"chunked_local ({spec.attention_chunk_size})"
+        return f"chunked_local ({spec.attention_chunk_size}{tail})"
     return spec.kind
 
 
@@ -197,6 +198,8 @@ def _spec_dict(spec: CacheSpec) -> dict[str, Any]:
     for key in ("sliding_window", "attention_chunk_size"):
         if hasattr(spec, key):
             out[key] = getattr(spec, key)
+    if getattr(spec, "tail_only", False):  # --kv-store tail (absent: every computed token stored)
+        out["tail_only"] = True
     out.update(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
                dtype=spec.dtype, page_size_bytes=spec.page_size_bytes)
     return out

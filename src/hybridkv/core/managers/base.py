@@ -14,6 +14,14 @@ follow from the leads' members. Shared by all its groups: ``num_cached`` (leadin
 blocks that already have a content address) and ``num_skipped`` (leading blocks
 that have been replaced by the null block).
 
+``tail_only`` specs (sliding window, chunked local; :mod:`hybridkv.core.specs`): a step
+computing tokens ``[s, e)`` gives no block to the positions of its *gap*
+(:meth:`AttentionManager.step_gap`), blocks wholly of its own new tokens that no token from
+``e`` on reads; they hold the null block (the runner attends to those keys where they were
+computed and stores nothing) until the next step's :meth:`~AttentionManager.remove_skipped_blocks`
+makes them part of the skipped prefix. A table is then: nulls for skipped positions, blocks,
+the gap's nulls, blocks (the step's tail: its last token's block at least).
+
 A subclass defines the attention type by two methods:
 
 * ``num_skipped_tokens(num_computed_tokens)``: how many leading tokens no future
@@ -60,7 +68,7 @@ class RequestBlocks:
     ids [[0, 5, 9], [0, 6, 10]].
     """
 
-    __slots__ = ("blocks", "ids", "num_cached", "num_skipped", "synced")
+    __slots__ = ("blocks", "ids", "num_cached", "num_skipped", "synced", "gap")
 
     def __init__(self, num_groups: int):
         self.blocks: list[KVCacheBlock] = []
@@ -68,6 +76,7 @@ class RequestBlocks:
         self.num_cached = 0
         self.num_skipped = 0
         self.synced = 0  # leading positions of ids[1:] that are current
+        self.gap = (0, 0)  # positions [lo, hi) past num_skipped holding null blocks (tail_only); (0, 0): none
 
 
 class AttentionManager(ABC):
@@ -88,6 +97,8 @@ class AttentionManager(ABC):
         self.pool = pool
         self.enable_caching = enable_caching
         self.null_block = pool.null_block
+        #: a step stores only what later tokens read (the spec's ``tail_only``; see :meth:`step_gap`)
+        self.tail_only = bool(getattr(spec, "tail_only", False))
         self.requests: dict[str, RequestBlocks] = {}
         if self.width > 1:
             pool.stripe_groups(self.group_ids)
@@ -117,6 +128,29 @@ class AttentionManager(ABC):
         """The smallest ``num_computed_tokens`` at which more than ``num_skipped_blocks``
         leading blocks are dead (``NEVER`` for full attention)."""
         return NEVER
+
+    def step_gap(self, num_computed_tokens: int, num_tokens: int | None) -> tuple[int, int]:
+        """Block positions ``[lo, hi)`` a step computing tokens ``[num_computed_tokens, num_tokens)``
+        leaves unstored under ``tail_only``: wholly its own new tokens and dead once it ends (the
+        block of its last token never). ``(0, 0)``: none (not tail_only, no step end given, or
+        nothing to leave).
+
+        Example (sliding W 4, block 2, step [1, 11)): tokens before 11 - 4 + 1 = 8 are dead at
+        the end, so positions [cdiv(1, 2), min(8 // 2, 10 // 2)) = [1, 4), tokens 2-7, get no
+        block; the step stores token 1 (position 0, held from before) and tokens 8-10.
+        """
+        if not self.tail_only or num_tokens is None or num_tokens <= num_computed_tokens:
+            return (0, 0)
+        bs = self.block_size
+        lo = cdiv(num_computed_tokens, bs)
+        hi = min(self.num_skipped_tokens(num_tokens) // bs, (num_tokens - 1) // bs)
+        return (lo, hi) if hi > lo else (0, 0)
+
+    def _open_gap(self, st: RequestBlocks) -> tuple[int, int]:
+        """The request's null positions past its skipped prefix ``(lo, hi)``, (0, 0) for none."""
+        lo, hi = st.gap
+        lo = max(lo, st.num_skipped)
+        return (lo, hi) if hi > lo else (0, 0)
 
     @abstractmethod
     def longest_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[list[KVCacheBlock], int]:
@@ -153,7 +187,9 @@ class AttentionManager(ABC):
             return [leads]
         if len(leads) == 1 and leads[0].stripe is not None:  # one new stripe (a decode step)
             return [[b] for b in leads[0].stripe]
-        n = leads.count(self.null_block)  # null blocks lead every hit and table
+        n = leads.count(self.null_block)  # null blocks lead every hit and table (not a tail_only gap)
+        if self.tail_only and n and any(b.is_null for b in leads[n:]):  # a gap's nulls too
+            return [leads] + [[b if b.is_null else b.stripe[j] for b in leads] for j in range(1, self.width)]
         stripes = list(map(_STRIPE, leads[n:] if n else leads))
         out = [leads]
         for j in range(1, self.width):
@@ -174,6 +210,7 @@ class AttentionManager(ABC):
         num_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None,
         num_computed_tokens: int,
+        step_end: int | None = None,
     ) -> int:
         """Blocks the pool must hand out to give the request ``num_tokens`` slots.
 
@@ -185,16 +222,22 @@ class AttentionManager(ABC):
         Example (chunked C 8, block 4, one group, new request, hit [null null b7],
         12 computed, num_tokens 20): skipped 8 tokens = 2 blocks; 5 blocks needed,
         3 held → 2 new, plus b7 if it is free; with 3 striped groups, 3 times that.
+        ``step_end`` (``tail_only``): the step computes tokens up to it; its :meth:`step_gap`
+        costs nothing, and an earlier step's gap not yet skipped is filled again.
         """
         need = cdiv(num_tokens, self.block_size)
+        gap = self.step_gap(num_computed_tokens, step_end)
         st = self.requests.get(request_id)
         if st is not None:
-            return max(need - len(st.blocks), 0) * self.width
+            have = len(st.blocks)
+            lo, hi = self._open_gap(st)
+            return (max(need - have, 0) - _overlap(have, need, gap) + hi - lo) * self.width
         if not new_computed_blocks:
-            return need * self.width
+            return (need - _overlap(0, need, gap)) * self.width
         skipped = self.num_skipped_tokens(num_computed_tokens) // self.block_size
         leads = new_computed_blocks
-        num_new = max(need - max(skipped, len(leads)), 0)
+        first = max(skipped, len(leads))
+        num_new = max(need - first, 0) - _overlap(first, need, gap)
         # free hit blocks (the null block is never free: its ref_cnt stays 1)
         evictable = [b.ref_cnt for b in (leads[skipped:] if skipped else leads)].count(0)
         return (num_new + evictable) * self.width
@@ -219,17 +262,53 @@ class AttentionManager(ABC):
         st.num_cached = len(st.blocks)
         st.num_skipped = skipped
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        """Grow the tables to cover ``num_tokens`` tokens; the new blocks (stripe leads)."""
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
+                            step_end: int | None = None) -> list[KVCacheBlock]:
+        """Grow the tables to cover ``num_tokens`` tokens; the new blocks (stripe leads).
+
+        ``tail_only`` with ``step_end`` (the step computes ``[num_computed_tokens, step_end)``):
+        the new positions in its :meth:`step_gap` get the null block; an earlier gap not yet
+        skipped gets blocks first (the step before did not end as planned: a re-run).
+        """
         st = self.requests.get(request_id)
         if st is None:
             st = self.requests[request_id] = RequestBlocks(self.num_groups)
-        n = cdiv(num_tokens, self.block_size) - len(st.blocks)
+        refill = self._refill_gap(st) if st.gap != (0, 0) else []
+        have = len(st.blocks)
+        n = cdiv(num_tokens, self.block_size) - have
+        if n <= 0:
+            return refill
+        lo, hi = self.step_gap(num_computed_tokens, step_end)
+        lo, hi = max(lo, have), min(hi, have + n)
+        num_null = max(hi - lo, 0)
+        new = self._new_blocks(n - num_null)
+        if num_null:
+            null = self.null_block
+            st.blocks += new[:lo - have] + [null] * num_null + new[lo - have:]
+            st.gap = (lo, hi)
+        else:
+            st.blocks += new
+        st.ids[0] += [b.block_id for b in st.blocks[have:]]
+        return refill + new
+
+    def _new_blocks(self, n: int) -> list[KVCacheBlock]:
         if n <= 0:
             return []
-        new = self.pool.get_new_stripes(n, self.width) if self.width > 1 else self.pool.get_new_blocks(n)
-        st.blocks += new
-        st.ids[0] += [b.block_id for b in new]
+        return self.pool.get_new_stripes(n, self.width) if self.width > 1 else self.pool.get_new_blocks(n)
+
+    def _refill_gap(self, st: RequestBlocks) -> list[KVCacheBlock]:
+        """New blocks in the request's open gap (its positions are needed again); the blocks."""
+        lo, hi = self._open_gap(st)
+        st.gap = (0, 0)
+        if hi <= lo:
+            return []
+        new = self._new_blocks(hi - lo)
+        st.blocks[lo:hi] = new
+        st.ids[0][lo:hi] = [b.block_id for b in new]
+        if st.synced > lo:  # followers' ids from lo on are out of date
+            st.synced = lo
+            for ids in st.ids[1:]:
+                del ids[lo:]
         return new
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
@@ -259,7 +338,14 @@ class AttentionManager(ABC):
         already freed: its computed count moved back past what was skipped (W 4, block 2,
         blocks 0-1 freed at n 7; n set back to 4 needs tokens 1-3, block 0 is gone)."""
         st = self.requests.get(request_id)
-        return st is not None and st.num_skipped > self.num_skipped_tokens(num_computed_tokens) // self.block_size
+        if st is None:
+            return False
+        dead = self.num_skipped_tokens(num_computed_tokens) // self.block_size
+        if st.num_skipped > dead:
+            return True
+        # tail_only: a gap token counted as computed (never stored) that the next token still reads
+        lo, hi = self._open_gap(st)
+        return hi > lo and num_computed_tokens > lo * self.block_size and dead < hi
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free every block wholly before ``num_skipped_tokens(num_computed_tokens)``; null in its place.
@@ -274,6 +360,9 @@ class AttentionManager(ABC):
         if upto <= start:
             return
         dead = st.blocks[start:upto]  # the leads
+        if st.gap != (0, 0):  # a tail_only gap's nulls
+            dead = [b for b in dead if not b.is_null]
+            st.gap = (0, 0) if st.gap[1] <= upto else (max(st.gap[0], upto), st.gap[1])
         dead.reverse()  # tail-most first
         st.blocks[start:upto] = [self.null_block] * (upto - start)
         st.ids[0][start:upto] = [0] * (upto - start)
@@ -291,7 +380,8 @@ class AttentionManager(ABC):
         if st is None:
             return None
         n = st.num_skipped
-        return st.blocks[:n - 1:-1] if n else st.blocks[::-1]
+        blocks = st.blocks[:n - 1:-1] if n else st.blocks[::-1]
+        return [b for b in blocks if not b.is_null] if st.gap != (0, 0) else blocks
 
     def free(self, request_id: str) -> None:
         blocks = self.pop_blocks(request_id)
@@ -317,6 +407,13 @@ class AttentionManager(ABC):
         if self.width > 1:
             lo = max(st.synced, min(st.num_skipped, n))  # null positions before lo
             zeros = [0] * (lo - st.synced)
+            if st.gap != (0, 0):  # a tail_only gap's nulls among them
+                ahead = st.blocks[lo:n]
+                for j, ids in enumerate(st.ids[1:], 1):
+                    ids += zeros
+                    ids.extend(0 if b.is_null else b.stripe[j].block_id for b in ahead)
+                st.synced = n
+                return
             stripes = list(map(_STRIPE, st.blocks[lo:n]))
             for j, ids in enumerate(st.ids[1:], 1):
                 ids += zeros
@@ -348,10 +445,21 @@ class AttentionManager(ABC):
                         ref_counts[block.block_id] = ref_counts.get(block.block_id, 0) + 1
 
     def _check_table_shape(self, rid: str, st: RequestBlocks) -> None:
-        """Null blocks exactly at the skipped positions (the leading ones)."""
+        """Null blocks exactly at the skipped positions (the leading ones) and a tail_only gap."""
+        lo, hi = st.gap
+        if st.gap != (0, 0) and (not self.tail_only or not st.num_skipped < hi <= len(st.blocks) or lo >= hi
+                                 or st.blocks[-1].is_null):
+            raise InvariantViolation(f"request {rid!r}: gap {st.gap} in a table of {len(st.blocks)} "
+                                     f"({st.num_skipped} skipped, tail_only {self.tail_only})")
         for i, block in enumerate(st.blocks):
-            if block.is_null != (i < st.num_skipped):
-                raise InvariantViolation(f"request {rid!r}: block {block.block_id} at {i} with {st.num_skipped} skipped")
+            if block.is_null != (i < st.num_skipped or lo <= i < hi):
+                raise InvariantViolation(
+                    f"request {rid!r}: block {block.block_id} at {i} with {st.num_skipped} skipped, gap {st.gap}")
+
+
+def _overlap(a: int, b: int, gap: tuple[int, int]) -> int:
+    """Positions of ``[a, b)`` inside ``gap``."""
+    return max(0, min(b, gap[1]) - max(a, gap[0]))
 
 
 class _DetachedPool:

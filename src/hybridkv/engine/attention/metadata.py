@@ -6,6 +6,11 @@ computes ``q_len[s]`` tokens at absolute positions ``start[s] .. start[s] + q_le
 slot ``table[p // block_size] * block_size + p % block_size``. Worked example: block size 4,
 a table ``[7, 2]``: position 5 is slot ``2 * 4 + 1 = 9``.
 
+A ``tail_only`` group (sliding window / chunked local storing only what later tokens read)
+may map a prefill chunk's dead positions to the null block: those tokens get slot ``-1`` (not
+stored) and the step's attention reads every key it computed itself from the step's own K/V
+(``gap_groups`` names the groups where this step has such positions; decode steps never do).
+
 Only fields every backend shares live here; what a backend computes once per step (layouts,
 query plans, splits) is its own typed step state, ``meta.state``
 (:meth:`~hybridkv.engine.attention.backend.AttentionBackend.new_state`).
@@ -24,7 +29,7 @@ from hybridkv.engine.host_tensors import long_tensor
 from hybridkv.engine.kv_storage import PagedKVStorage
 from hybridkv.errors import InvalidArgumentError
 
-__all__ = ["AttentionMetadata", "padded_tables"]
+__all__ = ["AttentionMetadata", "gap_groups", "padded_tables"]
 
 
 def padded_tables(block_ids: Sequence[Sequence[Sequence[int]]]) -> tuple[list[int], int]:
@@ -42,6 +47,23 @@ def padded_tables(block_ids: Sequence[Sequence[Sequence[int]]]) -> tuple[list[in
     return flat, width
 
 
+def gap_groups(block_ids: Sequence[Sequence[Sequence[int]]], starts: Sequence[int], query_lens: Sequence[int],
+               block_size: int) -> frozenset[int]:
+    """Groups in which some sequence's table maps one of its step's positions (``starts[s] ..
+    starts[s] + query_lens[s] - 1``) to the null block 0 (a tail_only gap: whole blocks of the
+    step's own tokens).
+
+    >>> sorted(gap_groups([[[3, 4, 5], [6, 0, 7]]], [1], [10], 4))
+    [1]
+    """
+    out: set[int] = set()
+    for tables, a, n in zip(block_ids, starts, query_lens):
+        if n > block_size:
+            lo, hi = -(-a // block_size), (a + n) // block_size
+            out.update(g for g, t in enumerate(tables) if 0 in t[lo:hi])
+    return frozenset(out)
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Everything the attention layers of one step read, built once per step.
@@ -50,7 +72,9 @@ class AttentionMetadata:
     [S]; ``block_tables[g]`` [S, max_blocks_g] (padded with the null block, which is
     never read); ``slot_mappings[g]`` [T]. ``starts`` / ``query_lens``: the same as
     Python ints (the layouts are planned from them). ``output_seqs``: the sequences
-    whose last token's output the step needs (None: every token's).
+    whose last token's output the step needs (None: every token's). ``gap_groups``: the
+    groups whose tables map some of this step's own positions to the null block (their
+    slots are -1; attention reads the step's keys from its K/V).
     """
 
     storage: PagedKVStorage
@@ -71,10 +95,13 @@ class AttentionMetadata:
     block_ids: Sequence[Sequence[Sequence[int]]] | None = None  # the tables as given (cascade reads them)
     #: ints -> an int64 tensor on the device (None: :func:`long_tensor`); use :meth:`ints`
     upload: Callable[[Sequence[int]], torch.Tensor] | None = None
+    #: groups with unstored positions this step (tail_only gaps; see the module docstring)
+    gap_groups: frozenset[int] = frozenset()
     #: the backend's step state (:meth:`AttentionBackend.new_state`), made with the metadata
     state: Any = None
     _decode: bool | None = field(default=None, repr=False)
     _output_rows: Any = field(default=False, repr=False)  # False: not computed yet
+    _stored: dict = field(default_factory=dict, repr=False)  # group -> (rows, slots) of stored tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.backend, str):
@@ -146,8 +173,11 @@ class AttentionMetadata:
         num_groups = storage.num_groups
         flat, width = padded_tables(block_ids)
         tables_sgw = ints(flat).view(num_seqs, num_groups, width)  # [S, G, W]
-        slots = tables_sgw.permute(1, 0, 2)[:, seq_ids, torch.div(positions, bs, rounding_mode="floor")]  # [G, T]
-        slots = slots * bs + positions % bs
+        blocks = tables_sgw.permute(1, 0, 2)[:, seq_ids, torch.div(positions, bs, rounding_mode="floor")]  # [G, T]
+        slots = blocks * bs + positions % bs
+        gaps = gap_groups(block_ids, starts, lens, bs) if max(lens) > 1 else frozenset()
+        if gaps:  # tail_only: a null block among the step's own positions is not stored
+            slots = torch.where(blocks == 0, -1, slots)
         return cls(
             storage=storage,
             positions=positions,
@@ -159,10 +189,21 @@ class AttentionMetadata:
             block_tables=[tables_sgw[:, g] for g in range(num_groups)],  # [S, W] views
             slot_mappings=list(slots.unbind(0)),  # [T] each
             output_seqs=None if output_seqs is None else [int(s) for s in output_seqs],
+            gap_groups=gaps,
             backend=backend,
             block_ids=block_ids,
             upload=upload,
         )
+
+    def stored(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [n], slots [n]): the step's tokens ``group`` stores and their slots (a gap
+        group's; every token of any other group)."""
+        got = self._stored.get(group)
+        if got is None:
+            slots = self.slot_mappings[group]
+            rows = (slots >= 0).nonzero().squeeze(1)
+            got = self._stored[group] = (rows, slots.index_select(0, rows))
+        return got
 
     def ints(self, values: Sequence[int]) -> torch.Tensor:
         """int64 tensor [n] of ``values`` on the step's device, through ``upload`` when given

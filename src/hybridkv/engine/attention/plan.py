@@ -93,6 +93,8 @@ class _Segment(NamedTuple):
     q_first: int  # position of its first query
     n: int  # queries
     k_first: int  # position of its first key; keys run to q_first + n - 1
+    new_from: int  # its sequence's first position computed this step
+    new_tok: int  # flat K/V row of that position
 
     @property
     def k_len(self) -> int:
@@ -113,6 +115,8 @@ class Bucket:
     tokens ``0..T-1``); ``out_rows`` / ``tokens`` [n] say which rows are real and which
     tokens they are (None: every row, tokens ``0..T-1`` in order). ``causal``: no mask
     tensor needed. Biases are built on first use and shared by the layers of the step.
+    ``new_from`` [B]: keys at or past it were computed this step, the step's K/V row of
+    key position ``p`` being ``p + k_src`` (``k_src`` [B]; see :meth:`fresh_keys`).
     """
 
     num: int
@@ -128,7 +132,23 @@ class Bucket:
     out_rows: torch.Tensor | None
     tokens: torch.Tensor | None
     _mask: torch.Tensor | None  # [B, Q, K] bool, None when causal
+    new_from: torch.Tensor  # [B] first position of the segment's sequence computed this step
+    k_src: torch.Tensor  # [B] the step's K/V row of key position p is p + k_src
     _biases: dict[object, torch.Tensor] = field(default_factory=dict)
+
+    def fresh_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dest [n], src [n]): padded keys ``dest`` (flat ``b * K + j``) are this step's own,
+        K/V rows ``src`` of the step (a tail_only group reads them there: unstored in its gap).
+
+        Example: one segment, keys at positions 6..9 (K 4), its sequence computing from 8 with
+        position 8 at row 0: dest [2, 3], src [0, 1]."""
+        got = self._biases.get("fresh")
+        if got is None:
+            fresh = (self.k_pos >= self.new_from.unsqueeze(1)).view(-1)  # [B * K]
+            dest = fresh.nonzero().squeeze(1)
+            src = (self.k_pos + self.k_src.unsqueeze(1)).view(-1).index_select(0, dest)
+            got = self._biases["fresh"] = (dest, src)
+        return got
 
     def bias(self) -> torch.Tensor:
         """``[B, 1, Q, K]`` fp32: 0 where the key is visible, ``-inf`` elsewhere."""
@@ -169,10 +189,12 @@ class Layout:
         """One bucket whose rows are exactly the step's tokens in order (a pure decode step)."""
         return len(self.buckets) == 1 and self.buckets[0].tokens is None
 
-    def key_slots(self, table: torch.Tensor, block_size: int, check: bool, group: int) -> list[torch.Tensor]:
+    def key_slots(self, table: torch.Tensor, block_size: int, check: bool, group: int,
+                  fresh: bool = False) -> list[torch.Tensor]:
         """Per bucket, the slot of each padded key [B * K] through ``table`` [S, max_blocks].
 
-        ``check``: refuse (InvariantViolation) a needed key that the table maps to the null block.
+        ``check``: refuse (InvariantViolation) a needed key that the table maps to the null block
+        (``fresh``: the step's own keys are read from its K/V, so only earlier ones count).
         """
         out = []
         for b in self.buckets:
@@ -180,6 +202,8 @@ class Layout:
             blocks = rows.gather(1, b.k_block)  # [B, K]
             if check:
                 null = blocks == 0
+                if fresh:
+                    null &= b.k_pos < b.new_from.unsqueeze(1)
                 if bool(null.any()):
                     row, col = null.nonzero()[0].tolist()
                     raise InvariantViolation(
@@ -198,18 +222,24 @@ def build_layout(
     block_size: int,
     device: torch.device,
     seqs: list[int] | None = None,
+    new_from: list[int] | None = None,
+    new_tok: list[int] | None = None,
 ) -> Layout:
     """Segments and buckets for sequences computing ``q_lens[s]`` tokens from position ``starts[s]``.
 
-    seqs: the block table row of each entry (default: entry ``s`` is row ``s``).
+    seqs: the block table row of each entry (default: entry ``s`` is row ``s``). new_from /
+    new_tok: the first position its sequence computes this step and that position's K/V row
+    (default: ``starts[s]`` and the running sum of ``q_lens``; the last-token layout of a
+    step's outputs gives its sequences' own).
     """
     single: list[_Segment] = []
     multi: list[_Segment] = []
     tok = 0
     rows = seqs if seqs is not None else range(len(starts))
-    for s, a0, n0 in zip(rows, starts, q_lens):
+    for i, (s, a0, n0) in enumerate(zip(rows, starts, q_lens)):
+        nf, nt = (a0, tok) if new_from is None else (new_from[i], new_tok[i])
         for a, b in _pieces(kind, size, a0, a0 + n0) if n0 > 1 else [(a0, a0 + 1)]:
-            seg = _Segment(s, tok + a - a0, a, b - a, first_key(kind, size, a))
+            seg = _Segment(s, tok + a - a0, a, b - a, first_key(kind, size, a), nf, nt)
             (single if seg.n == 1 else multi).append(seg)
         tok += n0
     buckets = []
@@ -263,8 +293,9 @@ def _bucket(
     """
     whole = len(segs) == num_tokens and all(g.n == 1 and g.tok == b for b, g in enumerate(segs))
     all_seqs = all(g.seq == b for b, g in enumerate(segs))
-    fields = [v for g in segs for v in (g.seq, g.tok, g.q_first, g.n, g.k_first, g.k_len)]
-    seq, tok, q_first, n, k_first, k_len = long_tensor(fields, device).view(-1, 6).unbind(1)  # each [B]
+    fields = [v for g in segs for v in (g.seq, g.tok, g.q_first, g.n, g.k_first, g.k_len, g.new_from,
+                                        g.new_tok - g.new_from)]
+    seq, tok, q_first, n, k_first, k_len, new_from, k_src = long_tensor(fields, device).view(-1, 8).unbind(1)  # [B]
     num, q, k = len(segs), max(g.n for g in segs), max(g.k_len for g in segs)
     j = torch.arange(k, device=device)  # [K]
     k_pos = k_first.unsqueeze(1) + torch.minimum(j.unsqueeze(0), (k_len - 1).unsqueeze(1))  # [B, K]
@@ -285,4 +316,5 @@ def _bucket(
         out_rows = (i.unsqueeze(0) < n.unsqueeze(1)).view(-1).nonzero().squeeze(1)  # [n_real]
         tokens = q_rows[out_rows]
     k_block = torch.div(k_pos, block_size, rounding_mode="floor")  # [B, K] index into a block table row
-    return Bucket(num, q, k, causal, seq, all_seqs, k_pos, k_block, k_pos % block_size, q_rows, out_rows, tokens, mask)
+    return Bucket(num, q, k, causal, seq, all_seqs, k_pos, k_block, k_pos % block_size, q_rows, out_rows, tokens, mask,
+                  new_from, k_src)

@@ -13,6 +13,7 @@ to the null block raises :class:`~hybridkv.errors.InvariantViolation`.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -51,7 +52,9 @@ class ReferenceState:
             else:
                 seqs = meta.output_seqs or []
                 ends = [meta.starts[s] + meta.query_lens[s] - 1 for s in seqs]
-                layout = build_layout(attn.kind, attn.size, ends, [1] * len(seqs), bs, device, seqs=seqs)
+                firsts = list(itertools.accumulate(meta.query_lens, initial=0))
+                layout = build_layout(attn.kind, attn.size, ends, [1] * len(seqs), bs, device, seqs=seqs,
+                                      new_from=[meta.starts[s] for s in seqs], new_tok=[firsts[s] for s in seqs])
             self._layouts[key] = layout
         return self._layouts[key]
 
@@ -61,7 +64,8 @@ class ReferenceState:
         if key not in self._slots:
             storage = self.meta.storage
             self._slots[key] = self.layout(attn, outputs_only).key_slots(
-                self.meta.block_tables[group], storage.block_size, storage.debug, group
+                self.meta.block_tables[group], storage.block_size, storage.debug, group,
+                fresh=group in self.meta.gap_groups,
             )
         return self._slots[key]
 
@@ -110,7 +114,13 @@ def reference_paged_attention(
         state = ReferenceState(meta)
     storage = meta.storage
     group = storage.group_of(layer)
-    storage.write(layer, meta.slot_mappings[group], key, value)
+    gap = group in meta.gap_groups
+    if gap:  # a tail_only gap: store the tokens that get slots; attend to the step's own keys from here
+        rows, slots = meta.stored(group)
+        storage.write(layer, slots, key.index_select(0, rows), value.index_select(0, rows))
+        step_kv = torch.cat([key, value], 1).transpose(0, 1).to(storage.dtype)  # [2 Hkv, T, D], as stored
+    else:
+        storage.write(layer, meta.slot_mappings[group], key, value)
     outputs_only = keep is not None
     if outputs_only:
         query = query.index_select(0, keep)  # [N, Hq, D]
@@ -121,6 +131,9 @@ def reference_paged_attention(
     for bucket, k_slots in zip(layout.buckets, slots):
         q = query if bucket.q_rows is None else query.index_select(0, bucket.q_rows)  # [B * Q, Hq, D]
         kv = storage.gather(layer, k_slots, scratch=True)  # [2 Hkv, B * K, D], used before the next gather
+        if gap:
+            dest, src = bucket.fresh_keys()
+            kv.index_copy_(1, dest, step_kv.index_select(1, src))
         if manual or (bucket.q == 1 and bucket.num > 1):  # batched decodes: a padded key mask
             out = _attend_manual(q, kv, bucket, scale, sinks, softcap)
         else:  # prefill buckets, and one decode (which sees every key it gathered: no mask)

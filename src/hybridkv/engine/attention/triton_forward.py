@@ -14,11 +14,16 @@ step's sequence lengths, nothing gathered:
   (cascade attention, :mod:`hybridkv.engine.attention.cascade`): a prefix pass for all queries,
   a suffix pass per sequence, merged; never in a CUDA-graph step (its shapes are fixed).
 
+A ``tail_only`` group with unstored positions this step (``meta.gap_groups``) writes the
+tokens that have slots (the others have slot -1) and its attention reads every key the step
+computed from the step's K / V (the kernel's two sources), the rest through the table.
+
 Decode steps may be captured as CUDA graphs (:mod:`~hybridkv.engine.attention.decode_graphs`).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import torch
@@ -90,14 +95,18 @@ def triton_paged_attention(
         storage.check_slots(layer, meta.slot_mappings[group])
         if meta.block_ids is not None:
             state.get(("reads_checked", group, attn), lambda: _check_reads(meta, group, attn))
-    write_kv(key, value, cache[0], cache[1], meta.slot_mappings[group])
+    write_kv(key, value, cache[0], cache[1], meta.slot_mappings[group])  # slot -1: not stored
     table = meta.block_tables[group]  # [S, W]
+    new_kv = None
+    if group in meta.gap_groups:  # the step's own keys from its K / V
+        new_from, new_row = state.get(("new_rows",), lambda: _new_rows(meta))
+        new_kv = (key, value, new_from, new_row)
     rep = query.shape[1] // cache.shape[1]
     if keep is not None:
         query = query.index_select(0, keep)  # [N, Hq, D]
     prefix = state.get(("cascade", group, attn), lambda: _cascade_prefix(meta, group, attn, query.shape[1], cache))
     if prefix:
-        return _cascade(query, cache, table, meta, attn, scale, sinks, softcap, prefix, rep, keep is not None)
+        return _cascade(query, cache, table, meta, attn, scale, sinks, softcap, prefix, rep, keep is not None, new_kv)
     if keep is None and meta.is_decode():
         splits = state.get(
             ("splits", attn),
@@ -108,15 +117,24 @@ def triton_paged_attention(
                                    sinks=sinks, softcap=softcap, num_splits=splits)
     plan = state.get(("plan", rep, keep is not None), lambda: _plan(meta, rep, keep is not None))
     return paged_attention_fwd(query, cache[0], cache[1], table, meta.seq_len, attn.kind, attn.size, scale,
-                               plan=plan, sinks=sinks, softcap=softcap)
+                               plan=plan, sinks=sinks, softcap=softcap, new_kv=new_kv)
+
+
+def _new_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """new_from [S] (each sequence's first position this step) and new_row [S] (its K/V row)."""
+    rows = list(itertools.accumulate(meta.query_lens, initial=0))[:-1]
+    return meta.start, meta.ints(rows)
 
 
 def _check_reads(meta: AttentionMetadata, group: int, attn: AttentionType) -> bool:
-    """Refuse (InvariantViolation) a key a query needs that its table maps to the null block."""
+    """Refuse (InvariantViolation) a key a query needs that its table maps to the null block (in a
+    gap group only the keys before the step count: its own are read from its K / V)."""
     bs = meta.storage.block_size
+    gap = group in meta.gap_groups
     for s, (a, n) in enumerate(zip(meta.starts, meta.query_lens)):
         table = meta.block_ids[s][group]
-        for b in range(first_key(attn.kind, attn.size, a) // bs, (a + n - 1) // bs + 1):
+        last = -(-a // bs) if gap else (a + n - 1) // bs + 1
+        for b in range(first_key(attn.kind, attn.size, a) // bs, last):
             if table[b] == 0:
                 raise InvariantViolation(
                     f"group {group} ({attn.kind}): sequence {s} needs key positions in block {b}, "
@@ -137,7 +155,7 @@ def _cascade_prefix(meta: AttentionMetadata, group: int, attn: AttentionType, nu
 
 
 def _cascade(query, cache, table, meta, attn, scale, sinks, softcap, prefix: int, rep: int,
-             outputs_only: bool) -> torch.Tensor:
+             outputs_only: bool, new_kv=None) -> torch.Tensor:
     """query [N, Hq, D] -> [N, Hq, D]: keys ``[0, prefix)`` once for all rows, the rest per sequence."""
     rows, num_heads = query.shape[0], query.shape[1]
     block_q = block_q_for(rep, False)
@@ -153,7 +171,7 @@ def _cascade(query, cache, table, meta, attn, scale, sinks, softcap, prefix: int
     plan_b = meta.state.get(("plan", rep, outputs_only), lambda: _plan(meta, rep, outputs_only))
     lse_b = torch.empty_like(lse_a)
     out_b = paged_attention_fwd(query, cache[0], cache[1], table, meta.seq_len, attn.kind, attn.size, scale,
-                                plan=plan_b, softcap=softcap, key_start=prefix, lse=lse_b)
+                                plan=plan_b, softcap=softcap, key_start=prefix, lse=lse_b, new_kv=new_kv)
     return merge_attention(torch.empty_like(query), out_a, lse_a, out_b, lse_b, sinks)
 
 

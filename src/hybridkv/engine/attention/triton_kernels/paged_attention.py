@@ -27,6 +27,11 @@ and sum, and a second kernel merges the splits. Learned sinks (GPT-OSS) join the
 softmax denominator when a row is finished (or merged); soft-capping is
 ``c * tanh(s / c)`` on the scaled scores.
 
+Two sources (``new_kv``, a ``tail_only`` group's prefill whose dead blocks were never stored):
+a key at or past its sequence's ``new_from`` (the step's first position) is read from the
+step's own K / V rows (``new_row`` + its offset), rounded to the cache dtype as a write would,
+the rest through the table: the same values a query would read had they all been stored.
+
 Shapes: q [T, Hq, D]; a layer's K and V caches [Hkv, num_blocks, block_size, D] each
 (views of :class:`~hybridkv.engine.kv_storage.PagedKVStorage`'s tensors); table [S, W];
 seq_lens [S] (keys of each sequence after this step's writes). Output [T, Hq, D].
@@ -73,15 +78,16 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _attention_kernel(
     q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, plan_ptr, sinks_ptr,
-    part_acc_ptr, part_ml_ptr, lse_ptr,
+    part_acc_ptr, part_ml_ptr, lse_ptr, nk_ptr, nv_ptr, new_from_ptr, new_row_ptr,
     scale, softcap, size, key_start, key_end,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kh, stride_kb, stride_ko, stride_vh, stride_vb, stride_vo, stride_ts,
+    stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     NUM_HEADS: tl.constexpr, REP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr,
     KIND: tl.constexpr, DECODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    OUT_LSE: tl.constexpr,
+    OUT_LSE: tl.constexpr, FRESH: tl.constexpr,
 ):
     qb = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -127,12 +133,19 @@ def _attention_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     n = tl.arange(0, BLOCK_N)
+    if FRESH:  # keys from new_from on are the step's own rows (two sources)
+        new_from = tl.load(new_from_ptr + seq)
+        new_row = tl.load(new_row_ptr + seq)
     for t in range(t_begin, t_end):
         j = t * BLOCK_N + n  # key positions [BLOCK_N]
         j_ok = (j >= lo) & (j < hi)
-        blk = tl.load(table_ptr + seq * stride_ts + j // PAGE, mask=j_ok, other=0).to(tl.int64)  # int32 tables too
+        paged_ok = j_ok
+        if FRESH:
+            fresh = j >= new_from
+            paged_ok = j_ok & (j < new_from)
+        blk = tl.load(table_ptr + seq * stride_ts + j // PAGE, mask=paged_ok, other=0).to(tl.int64)  # int32 too
         off = j % PAGE
-        kv_mask = j_ok[:, None] & d_ok[None, :]
+        kv_mask = paged_ok[:, None] & d_ok[None, :]
         k = tl.load(
             k_ptr + kv_head * stride_kh + blk[:, None] * stride_kb + off[:, None] * stride_ko + d[None, :],
             mask=kv_mask, other=0.0,
@@ -141,6 +154,15 @@ def _attention_kernel(
             v_ptr + kv_head * stride_vh + blk[:, None] * stride_vb + off[:, None] * stride_vo + d[None, :],
             mask=kv_mask, other=0.0,
         )
+        if FRESH:  # rounded to the cache dtype, as if written and read back
+            row = (new_row + tl.maximum(j - new_from, 0)).to(tl.int64)
+            new_mask = (j_ok & fresh)[:, None] & d_ok[None, :]
+            kn = tl.load(nk_ptr + row[:, None] * stride_nkt + kv_head * stride_nkh + d[None, :], mask=new_mask,
+                         other=0.0)
+            vn = tl.load(nv_ptr + row[:, None] * stride_nvt + kv_head * stride_nvh + d[None, :], mask=new_mask,
+                         other=0.0)
+            k = tl.where(fresh[:, None], kn.to(k_ptr.dtype.element_ty), k)
+            v = tl.where(fresh[:, None], vn.to(v_ptr.dtype.element_ty), v)
         if UPCAST:
             s = _dot(q, tl.trans(k.to(tl.float32)), IEEE)
         else:
@@ -323,6 +345,7 @@ def paged_attention_fwd(
     key_start: int = 0,
     key_end: int = KEY_END,
     lse: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attend ``query`` [T, Hq, D] through ``table`` over the paged caches; returns [T, Hq, D].
 
@@ -332,6 +355,9 @@ def paged_attention_fwd(
     left untouched). ``num_splits`` > 1 only for decode. ``key_start`` / ``key_end`` limit every
     row to keys in ``[key_start, key_end)`` (the two passes of cascade attention); ``lse`` [T, Hq]
     fp32 receives each row's log-sum-exp (then leave ``sinks`` to :func:`merge_attention`).
+    ``new_kv`` = (key [T, Hkv, D], value, new_from [S], new_row [S]): sequence ``s``'s keys at
+    positions ``>= new_from[s]`` are rows ``new_row[s] + (p - new_from[s])`` of the step's key /
+    value (two sources; plan steps only).
     """
     num_tokens, num_heads, head = query.shape
     num_kv, _, page, _ = key_cache.shape
@@ -360,17 +386,22 @@ def paged_attention_fwd(
         part_acc = part_ml = dummy
     if lse is not None and (num_splits != 1 or sinks is not None):
         raise ValueError("a cascade pass (lse) takes neither splits nor sinks")
+    if new_kv is not None and decode:
+        raise ValueError("two sources (new_kv) only for plan steps")
+    nk, nv, new_from, new_row = new_kv if new_kv is not None else (query, query, dummy, dummy)
     _attention_kernel[(grid_q, num_kv, num_splits)](
         query, out, key_cache, value_cache, table, seq_lens, plan if plan is not None else dummy,
         sinks if sinks is not None else dummy, part_acc, part_ml, lse if lse is not None else dummy,
+        nk, nv, new_from, new_row,
         float(scale), float(softcap or 0.0), int(size or 0), int(key_start), int(key_end),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), table.stride(0),
+        nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1),
         NUM_HEADS=num_heads, REP=rep, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD=head,
         HEAD_PAD=head_pad, PAGE=page, KIND=KIND_CODES[kind], DECODE=decode, NUM_SPLITS=num_splits,
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, UPCAST=upcast, IEEE=ieee,
-        OUT_LSE=lse is not None, num_warps=8 if head_pad >= 256 and block_m >= 64 else 4,
+        OUT_LSE=lse is not None, FRESH=new_kv is not None, num_warps=8 if head_pad >= 256 and block_m >= 64 else 4,
     )
     if num_splits > 1:
         _merge_splits_kernel[(grid_q, num_heads)](
