@@ -66,25 +66,26 @@ CAPACITY_TARGET = ("<=", 0.5)  # hybrid / all-full and hybrid / llama.cpp
 STEP_TARGET = ("<=", 1.02)  # hybrid / all-full decode step
 
 
-def lane_config(name: str) -> tuple[str, bool, str]:
-    """``int8-hybrid-bf16`` -> ("int8", True, "bfloat16")."""
+def lane_config(name: str) -> tuple[str, bool, str, str]:
+    """``int8-hybrid-bf16`` -> ("int8", True, "bfloat16", "all"); a ``-tail`` suffix: ``--kv-store tail``."""
     try:
-        quant, layout, kv = name.split("-")
-        if quant not in ("int8", "int4") or layout not in ("hybrid", "full"):
+        quant, layout, kv, *store = name.split("-")
+        if quant not in ("int8", "int4") or layout not in ("hybrid", "full") or store not in ([], ["tail"]):
             raise ValueError
-        return quant, layout == "hybrid", KV_NAMES[kv]
+        return quant, layout == "hybrid", KV_NAMES[kv], "tail" if store else "all"
     except (ValueError, KeyError):
-        raise SystemExit(f"bench_long: a lane is llama or <int8|int4>-<hybrid|full>-<fp32|bf16|fp16>, got {name!r}")
+        raise SystemExit(f"bench_long: a lane is llama or <int8|int4>-<hybrid|full>-<fp32|bf16|fp16>[-tail], "
+                         f"got {name!r}")
 
 
 class Ours:
     """One of our lanes: the model (shared per precision) and a fresh engine per run."""
 
     def __init__(self, model, name: str, max_len: int, kv_memory: str | None = None, max_num_seqs: int = 8) -> None:
-        quant, hybrid, kv = lane_config(name)
+        quant, hybrid, kv, store = lane_config(name)
         self.name, self.model = name, model
         self.config = EngineConfig(block_size=16, max_model_len=max_len, max_num_seqs=max_num_seqs, quantization=quant,
-                                   hybrid=hybrid, kv_cache_dtype=kv, kv_cache_memory=kv_memory)
+                                   hybrid=hybrid, kv_cache_dtype=kv, kv_cache_memory=kv_memory, kv_store=store)
         self.peak_running = 0
 
     def run(self, w: Workload) -> tuple[list[float], list[float], float]:
@@ -209,8 +210,8 @@ def capacity(models: dict, w: Workload, kvs: list[str], llama_cpp, args) -> dict
     max_len = max(map(len, w.prompts)) + max(w.max_tokens)
     lanes = {}
     for kv in kvs:
-        for layout in ("hybrid", "full"):
-            name = f"int8-{layout}-{kv}"
+        hybrid = [f"int8-hybrid-{kv}" + ("-tail" if s == "tail" else "") for s in args.capacity_stores]
+        for name in hybrid + [f"int8-full-{kv}"]:
             lanes[name] = Ours(models["int8"], name, max_len, kv_memory=args.capacity_kv, max_num_seqs=len(w.prompts))
     if llama_cpp is not None:
         lanes["llama"] = Llama(llama_cpp, len(w.prompts), max_len, args.threads)
@@ -239,7 +240,7 @@ def report_capacity(figs: dict[str, list[dict]], w: Workload) -> dict:
                  "peak_running": max(f["peak_running"] for f in runs)}
         cells = ["", "", "", ""]
         if name.startswith("int8-hybrid-"):
-            full = figs.get(name.replace("hybrid", "full"))
+            full = figs.get(name.replace("hybrid", "full").removesuffix("-tail"))
             if full:
                 entry["vs_full"] = spread([a["total_s"] / b["total_s"] for a, b in zip(runs, full)])
                 cells[:2] = [ratio_cell(entry["vs_full"]), target_cell(CAPACITY_TARGET, entry["vs_full"])]
@@ -269,12 +270,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--capacity-length", type=int, default=4096)
     p.add_argument("--capacity-new", type=int, default=256)
     p.add_argument("--capacity-kv", default="256MiB")
+    p.add_argument("--capacity-stores", default="all", help="hybrid lanes' --kv-store: all, tail or all,tail")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     args.parts = [x for x in args.parts.split(",") if x]
     args.lengths = [int(x) for x in args.lengths.split(",") if x]
     args.lanes = [x for x in args.lanes.split(",") if x]
+    args.capacity_stores = [x for x in args.capacity_stores.split(",") if x]
+    if not args.capacity_stores or set(args.capacity_stores) - {"all", "tail"}:
+        raise SystemExit("bench_long: --capacity-stores takes all, tail or all,tail")
     for name in args.lanes:
         if name != "llama":
             lane_config(name)

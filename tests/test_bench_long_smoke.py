@@ -42,12 +42,13 @@ def test_single_ratios_and_which_targets_apply(capsys):
 
 def test_capacity_and_step_ratios(capsys):
     run = lambda total, peak=4: {"total_s": total, "ttft_mean_s": 1.0, "peak_running": peak}  # noqa: E731
-    figs = {"int8-hybrid-bf16": [run(40), run(60)], "int8-full-bf16": [run(100, 2), run(100, 2)],
-            "llama": [run(80, 8), run(120, 8)]}
+    figs = {"int8-hybrid-bf16": [run(40), run(60)], "int8-hybrid-bf16-tail": [run(30, 6), run(30, 6)],
+            "int8-full-bf16": [run(100, 2), run(100, 2)], "llama": [run(80, 8), run(120, 8)]}
     w = bench_long.Workload([[1] * 10] * 2, [3, 3])
     out = bench_long.report_capacity(figs, w)
     assert out["int8-hybrid-bf16"]["vs_full"] == {"median": 0.5, "min": 0.4, "max": 0.6}
     assert out["int8-hybrid-bf16"]["vs_llama"] == {"median": 0.5, "min": 0.5, "max": 0.5}
+    assert out["int8-hybrid-bf16-tail"]["vs_full"]["median"] == 0.3  # the tail lane beside the same all-full
     assert out["int8-hybrid-bf16"]["peak_running"] == 4 and "vs_full" not in out["int8-full-bf16"]
     bench_long.report_step({"bf16": {"ratio": {"median": 1.03, "min": 1.0, "max": 1.05}, "hybrid_ms": 20.6,
                                      "full_ms": 20.0}}, 4096, 5, 256)
@@ -56,12 +57,15 @@ def test_capacity_and_step_ratios(capsys):
 
 
 def test_lane_names_are_checked():
-    assert bench_long.lane_config("int4-full-fp16") == ("int4", False, "float16")
-    for bad in ("int8-hybrid", "int3-hybrid-bf16", "int8-mixed-bf16", "int8-hybrid-fp8"):
+    assert bench_long.lane_config("int4-full-fp16") == ("int4", False, "float16", "all")
+    assert bench_long.lane_config("int8-hybrid-bf16-tail") == ("int8", True, "bfloat16", "tail")
+    for bad in ("int8-hybrid", "int3-hybrid-bf16", "int8-mixed-bf16", "int8-hybrid-fp8", "int8-hybrid-bf16-all"):
         with pytest.raises(SystemExit, match="a lane is llama or"):
             bench_long.lane_config(bad)
     with pytest.raises(SystemExit, match="32,768"):
         bench_long.parse_args(["--lengths", "32768"])
+    with pytest.raises(SystemExit, match="--capacity-stores"):
+        bench_long.parse_args(["--capacity-stores", "some"])
 
 
 @pytest.mark.slow
