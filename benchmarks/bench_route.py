@@ -139,6 +139,7 @@ class Setup:
     decompose: bool = False
     queued_prefix: str = "refresh"
     max_share_ratio: float = DEFAULT_MAX_SHARE_RATIO
+    kv_store: str = "all"
 
     def start_replica(self) -> tuple[HybridkvProcess, str]:
         http, pub, replay = free_port(), free_port(), free_port()  # known before it binds: the router starts alongside
@@ -146,7 +147,7 @@ class Setup:
                            str(self.block_size), "--num-blocks", str(self.num_blocks), "--max-num-seqs",
                            str(self.max_num_seqs), "--max-model-len", str(self.max_model_len),
                            "--kv-events", f"tcp://127.0.0.1:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}",
-                           "--queued-prefix", self.queued_prefix,
+                           "--queued-prefix", self.queued_prefix, "--kv-store", self.kv_store,
                            "--log-level", "debug"],  # each finished request's hits, joined to its response
                  self.threads)
         return p, f"http://127.0.0.1:{http},tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}"
@@ -584,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"least-served one's; 0: none; default {DEFAULT_MAX_SHARE_RATIO:g}, route's)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-store", choices=("all", "tail"), default="all", help="the replicas' --kv-store (default all)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write every request's record here")
     ap.add_argument("--decompose", action="store_true",
                     help="hybrid / full-only routers also ask the chosen replica's manager at each decision "
@@ -615,12 +617,13 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or str(make_tiny_dir(Path(tmp)))
         for num_blocks in sizes:
             setup = Setup(model, args.replicas, args.block_size, num_blocks, args.max_num_seqs, args.max_model_len,
-                          args.max_imbalance, args.threads, args.decompose, args.queued_prefix, args.max_share_ratio)
+                          args.max_imbalance, args.threads, args.decompose, args.queued_prefix, args.max_share_ratio,
+                          args.kv_store)
             print(f"\nmodel {model if args.model else 'tiny gemma3 (sliding window 12 + full)'}; {args.replicas} "
                   f"replicas, block {args.block_size}, {num_blocks} blocks each, max_num_seqs {args.max_num_seqs}; "
                   f"{args.systems} system prompts, {conversations} chats x {turns} turns = {work.num_requests} requests, "
                   f"{args.clients} clients x {args.open} open chats, {args.max_tokens} new tokens; "
-                  f"--max-imbalance {args.max_imbalance}, --max-share-ratio {args.max_share_ratio:g}; {rounds} round(s), policies rotated each round", flush=True)
+                  f"--max-imbalance {args.max_imbalance}, --max-share-ratio {args.max_share_ratio:g}, --kv-store {args.kv_store}; {rounds} round(s), policies rotated each round", flush=True)
             runs: dict[str, list[PolicyRun]] = {p: [] for p in policies}
             t0 = time.perf_counter()
             for rnd in range(rounds):

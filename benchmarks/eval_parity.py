@@ -178,6 +178,7 @@ def run_engine(
     config = EngineConfig(
         hybrid=hybrid, max_model_len=max_len, kv_cache_memory=args.kv_budget,
         dtype=precision.dtype, quantization=precision.quantization, kv_cache_dtype=precision.kv_cache_dtype,
+        kv_store=args.kv_store,
     )
     engine = LLMEngine(causal_lm, config)
     params = [SamplingParams(max_tokens=item.max_tokens) for item in items]
@@ -585,6 +586,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--qa-items", type=int, default=None, help=f"QA items (default {FULL['qa_items']})")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-store", choices=("all", "tail"), default="all",
+                   help="the engines' --kv-store (the all-full layout has no windowed layer: unchanged)")
     p.add_argument("--kv-budget", default="1GiB", help="KV pool of each engine and the batch-fit budget")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--hf", action="store_true", help="also run transformers (fp32) on the same ids (cross-check)")

@@ -305,6 +305,7 @@ class AttentionManager(ABC):
         new = self._new_blocks(hi - lo)
         st.blocks[lo:hi] = new
         st.ids[0][lo:hi] = [b.block_id for b in new]
+        st.num_cached = min(st.num_cached, lo)  # the new blocks get their addresses when cached again
         if st.synced > lo:  # followers' ids from lo on are out of date
             st.synced = lo
             for ids in st.ids[1:]:
