@@ -41,9 +41,10 @@ from typing import Sequence
 
 from hybridkv.core.block_pool import BlockPool, KVCacheBlock
 from hybridkv.core.hashing import BlockHash
+from hybridkv.core.managers.tables import RequestBlocks, check_table_shape, check_tables, overlap
 from hybridkv.core.request import Request
 from hybridkv.core.specs import CacheSpec, cdiv
-from hybridkv.errors import InvariantViolation, UnknownRequestError
+from hybridkv.errors import UnknownRequestError
 
 __all__ = ["AttentionManager", "RequestBlocks", "NEVER"]
 
@@ -54,29 +55,6 @@ _ID = attrgetter("block_id")
 
 #: a token count no request reaches
 NEVER = 1 << 62
-
-
-class RequestBlocks:
-    """One request's block table in one manager.
-
-    ``blocks`` is the first group's table (stripe leads; the null block for
-    skipped positions); the other groups' tables follow from it (member j of each
-    lead). ``ids[g]`` are the block ids of the manager's g-th group: ``ids[0]``
-    always current, the others brought up to date on demand (``synced`` leading
-    positions are), so a caller that never asks for them costs nothing.
-    Example (two groups, blocks [null, S5, S9] with stripes (5, 6), (9, 10)):
-    ids [[0, 5, 9], [0, 6, 10]].
-    """
-
-    __slots__ = ("blocks", "ids", "num_cached", "num_skipped", "synced", "gap")
-
-    def __init__(self, num_groups: int):
-        self.blocks: list[KVCacheBlock] = []
-        self.ids: list[list[int]] = [[] for _ in range(num_groups)]
-        self.num_cached = 0
-        self.num_skipped = 0
-        self.synced = 0  # leading positions of ids[1:] that are current
-        self.gap = (0, 0)  # positions [lo, hi) past num_skipped holding null blocks (tail_only); (0, 0): none
 
 
 class AttentionManager(ABC):
@@ -231,13 +209,13 @@ class AttentionManager(ABC):
         if st is not None:
             have = len(st.blocks)
             lo, hi = self._open_gap(st)
-            return (max(need - have, 0) - _overlap(have, need, gap) + hi - lo) * self.width
+            return (max(need - have, 0) - overlap(have, need, gap) + hi - lo) * self.width
         if not new_computed_blocks:
-            return (need - _overlap(0, need, gap)) * self.width
+            return (need - overlap(0, need, gap)) * self.width
         skipped = self.num_skipped_tokens(num_computed_tokens) // self.block_size
         leads = new_computed_blocks
         first = max(skipped, len(leads))
-        num_new = max(need - first, 0) - _overlap(first, need, gap)
+        num_new = max(need - first, 0) - overlap(first, need, gap)
         # free hit blocks (the null block is never free: its ref_cnt stays 1)
         evictable = [b.ref_cnt for b in (leads[skipped:] if skipped else leads)].count(0)
         return (num_new + evictable) * self.width
@@ -422,45 +400,12 @@ class AttentionManager(ABC):
         st.synced = n
 
     def check_invariants(self, ref_counts: dict[int, int]) -> None:
-        """Check every table and add its block references to ``ref_counts``."""
-        for rid, st in self.requests.items():
-            length = len(st.blocks)
-            if not 0 <= st.num_skipped <= length or not 0 <= st.num_cached <= length or st.synced > length:
-                raise InvariantViolation(
-                    f"request {rid!r}: skipped {st.num_skipped} / cached {st.num_cached} / synced {st.synced} "
-                    f"outside table of {length}"
-                )
-            if [b.block_id for b in st.blocks] != st.ids[0]:
-                raise InvariantViolation(f"request {rid!r}: block id list out of sync with its table")
-            self._check_table_shape(rid, st)
-            for i, block in enumerate(st.blocks):
-                if not block.is_null and self.width > 1 and (block.stripe is None or len(block.stripe) != self.width):
-                    raise InvariantViolation(f"request {rid!r}: block {block.block_id} at {i} is no stripe of {self.width}")
-            for g, ids in enumerate(st.ids[1:], 1):
-                want = [0 if b.is_null else b.stripe[g].block_id for b in st.blocks[:st.synced]]
-                if ids != want:
-                    raise InvariantViolation(f"request {rid!r}: ids of group {self.group_ids[g]} out of sync")
-            for table in self._per_group(st.blocks):
-                for block in table:
-                    if not block.is_null:
-                        ref_counts[block.block_id] = ref_counts.get(block.block_id, 0) + 1
+        """Check every table and add its block references to ``ref_counts`` (:func:`check_tables`)."""
+        check_tables(self, ref_counts)
 
     def _check_table_shape(self, rid: str, st: RequestBlocks) -> None:
         """Null blocks exactly at the skipped positions (the leading ones) and a tail_only gap."""
-        lo, hi = st.gap
-        if st.gap != (0, 0) and (not self.tail_only or not st.num_skipped < hi <= len(st.blocks) or lo >= hi
-                                 or st.blocks[-1].is_null):
-            raise InvariantViolation(f"request {rid!r}: gap {st.gap} in a table of {len(st.blocks)} "
-                                     f"({st.num_skipped} skipped, tail_only {self.tail_only})")
-        for i, block in enumerate(st.blocks):
-            if block.is_null != (i < st.num_skipped or lo <= i < hi):
-                raise InvariantViolation(
-                    f"request {rid!r}: block {block.block_id} at {i} with {st.num_skipped} skipped, gap {st.gap}")
-
-
-def _overlap(a: int, b: int, gap: tuple[int, int]) -> int:
-    """Positions of ``[a, b)`` inside ``gap``."""
-    return max(0, min(b, gap[1]) - max(a, gap[0]))
+        check_table_shape(rid, st, self.tail_only)
 
 
 class _DetachedPool:

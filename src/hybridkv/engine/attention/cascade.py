@@ -5,7 +5,7 @@ by all of them), the keys of those blocks can be read once for all queries: a *p
 pass* attends every query to the keys ``[0, P)`` (one shared block table, no causal
 mask: every query comes after them), a *suffix pass* attends each query to its own keys
 from ``P``, and the two are merged by their log-sum-exps
-(:func:`~hybridkv.engine.attention.triton_kernels.paged_attention.merge_attention`).
+(:func:`~hybridkv.engine.attention.triton_kernels.merge.merge_attention`).
 
 Which layers may: full attention always; a sliding-window or chunked-local layer only when
 every query of the step still sees the whole prefix (sliding ``W``: every position

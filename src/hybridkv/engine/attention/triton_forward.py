@@ -32,10 +32,10 @@ from hybridkv.engine.attention.metadata import AttentionMetadata
 from hybridkv.engine.attention.plan import first_key
 from hybridkv.engine.attention.cascade import cascade_prefix_len
 from hybridkv.engine.attention.triton_kernels.kv_write import write_kv
+from hybridkv.engine.attention.triton_kernels.merge import merge_attention
 from hybridkv.engine.attention.triton_kernels.paged_attention import (
     block_q_for,
     decode_splits,
-    merge_attention,
     num_sms,
     paged_attention_fwd,
     query_blocks,
