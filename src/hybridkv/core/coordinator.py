@@ -238,12 +238,8 @@ class KVCacheCoordinator:
         managers leave its gap unstored)."""
         total = 0
         for m in self.managers:
-            if m.tail_only:  # the step's own dead blocks cost nothing
-                total += m.get_num_blocks_to_allocate(request_id, num_tokens, hit.get(m) if hit else None,
-                                                      num_computed_tokens, step_end)
-            else:
-                total += m.get_num_blocks_to_allocate(request_id, num_tokens, hit.get(m) if hit else None,
-                                                      num_computed_tokens)
+            total += m.get_num_blocks_to_allocate(request_id, num_tokens, hit.get(m) if hit else None,
+                                                  num_computed_tokens, step_end)
         return total
 
     def save_new_computed_blocks(self, request_id: str, hit: dict | None, num_computed_tokens: int) -> None:
@@ -254,8 +250,7 @@ class KVCacheCoordinator:
                             step_end: int | None = None) -> dict:
         """Grow every manager's tables; {manager: its new blocks (stripe leads)} (see :meth:`expand`);
         ``num_computed_tokens`` / ``step_end`` as in :meth:`get_num_blocks_to_allocate`."""
-        return {m: m.allocate_new_blocks(request_id, num_tokens, num_computed_tokens, step_end) if m.tail_only
-                else m.allocate_new_blocks(request_id, num_tokens) for m in self.managers}
+        return {m: m.allocate_new_blocks(request_id, num_tokens, num_computed_tokens, step_end) for m in self.managers}
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         if self.enable_caching:

@@ -153,8 +153,10 @@ class StateManager(AttentionManager):
 
     # ------------------------------------------------------------ life cycle
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: list[KVCacheBlock] | None, num_computed_tokens: int) -> int:
-        """One new block when the step reaches a new block position, plus a free hit block.
+                                   new_computed_blocks: list[KVCacheBlock] | None, num_computed_tokens: int,
+                                   step_end: int | None = None) -> int:
+        """One new block when the step reaches a new block position, plus a free hit block
+        (``step_end`` is the attention managers' ``tail_only`` gap: a state has none).
         A hit on a checkpoint cached in this step cannot be used before the next one: more
         blocks than the pool has (the scheduler tries again next step)."""
         need = cdiv(num_tokens, self.block_size)
@@ -168,7 +170,8 @@ class StateManager(AttentionManager):
             return NEVER
         return ((need > len(new_computed_blocks)) + (last.ref_cnt == 0)) * self.width
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
+                            step_end: int | None = None) -> list[KVCacheBlock]:
         """Null positions up to the step's last, which gets a new block; the positions added
         (nulls, then the block; as vLLM, so an append-only block table stays right), []
         when the step's position exists."""

@@ -102,6 +102,7 @@ class AttentionMetadata:
     _decode: bool | None = field(default=None, repr=False)
     _output_rows: Any = field(default=False, repr=False)  # False: not computed yet
     _stored: dict = field(default_factory=dict, repr=False)  # group -> (rows, slots) of stored tokens
+    _first_rows: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.backend, str):
@@ -230,6 +231,13 @@ class AttentionMetadata:
             if seqs is None or (len(seqs) == self.num_tokens and seqs == list(range(self.num_seqs))):
                 self._output_rows = None
             else:
-                ends = list(itertools.accumulate(self.query_lens))
+                ends = self.first_rows()[1:]
                 self._output_rows = self.ints([ends[s] - 1 for s in seqs])
         return self._output_rows
+
+    def first_rows(self) -> list[int]:
+        """[S + 1]: the flat row of each sequence's first token this step, then ``T``
+        (query_lens [3, 1, 2] -> [0, 3, 4, 6])."""
+        if self._first_rows is None:
+            self._first_rows = list(itertools.accumulate(self.query_lens, initial=0))
+        return self._first_rows

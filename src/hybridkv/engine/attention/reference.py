@@ -13,7 +13,6 @@ to the null block raises :class:`~hybridkv.errors.InvariantViolation`.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -52,7 +51,7 @@ class ReferenceState:
             else:
                 seqs = meta.output_seqs or []
                 ends = [meta.starts[s] + meta.query_lens[s] - 1 for s in seqs]
-                firsts = list(itertools.accumulate(meta.query_lens, initial=0))
+                firsts = meta.first_rows()
                 layout = build_layout(attn.kind, attn.size, ends, [1] * len(seqs), bs, device, seqs=seqs,
                                       new_from=[meta.starts[s] for s in seqs], new_tok=[firsts[s] for s in seqs])
             self._layouts[key] = layout

@@ -23,7 +23,6 @@ Decode steps may be captured as CUDA graphs (:mod:`~hybridkv.engine.attention.de
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable
 
 import torch
@@ -122,8 +121,7 @@ def triton_paged_attention(
 
 def _new_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """new_from [S] (each sequence's first position this step) and new_row [S] (its K/V row)."""
-    rows = list(itertools.accumulate(meta.query_lens, initial=0))[:-1]
-    return meta.start, meta.ints(rows)
+    return meta.start, meta.ints(meta.first_rows()[:-1])
 
 
 def _check_reads(meta: AttentionMetadata, group: int, attn: AttentionType) -> bool:
