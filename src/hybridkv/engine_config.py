@@ -24,7 +24,8 @@ from hybridkv.scheduler.config import (
     SchedulerConfig,
 )
 
-__all__ = ["DEFAULT_ATTENTION_BACKEND", "DTYPES", "ENGINE_DEFAULTS", "EngineConfig", "KV_CACHE_DTYPES", "KV_STORES", "QUANTIZATIONS"]
+__all__ = ["DEFAULT_ATTENTION_BACKEND", "DTYPES", "ENGINE_DEFAULTS", "EngineConfig", "KV_CACHE_DTYPES", "KV_STORES", "QUANTIZATIONS",
+           "QUANTIZATION_CHOICES"]
 
 #: the engine dtypes (model weights and KV cache), the default first
 DTYPES = ("float32", "bfloat16", "float16")
@@ -36,8 +37,12 @@ DEFAULT_ATTENTION_BACKEND = "auto"
 #: ``kv_store`` values: "all" (every computed token's K/V gets a slot, as vLLM) or "tail" (sliding-window
 #: and chunked-local layers store only what later tokens read: the specs' ``tail_only``)
 KV_STORES = ("all", "tail")
-#: ``quantization`` values (weight-only, on a CPU); None is the exact weights
-QUANTIZATIONS = ("int8", "int4")
+#: the weight forms a loaded model can be in (weight-only, on a CPU); None is the exact weights: "int8" /
+#: "int4" quantize the loaded weights, "gguf" runs a GGUF file's quantized blocks as they are stored
+QUANTIZATIONS = ("int8", "int4", "gguf")
+#: ``quantization`` values: "auto" (a GGUF checkpoint's own blocks on a CPU in float32, else the exact
+#: weights: :func:`~hybridkv.engine.models.resolve_quantization`), "none" (the exact weights, as None) or a form
+QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATIONS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +75,8 @@ class EngineConfig:
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
     #: True: no CUDA graphs (decode steps run eagerly)
     enforce_eager: bool = False
-    #: weight-only quantization on a CPU: None (the exact weights) or one of :data:`QUANTIZATIONS`
-    quantization: str | None = None
+    #: the weights' form: one of :data:`QUANTIZATION_CHOICES` ("auto" by default; None is "none")
+    quantization: str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.kv_cache_memory is not None:
@@ -82,6 +87,9 @@ class EngineConfig:
             raise InvalidConfigError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise InvalidConfigError(f"attention_backend must be one of the attention backends' names, got {self.attention_backend!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise InvalidConfigError(f"quantization must be one of {list(QUANTIZATION_CHOICES)} or None, "
+                                     f"got {self.quantization!r}")
         if self.kv_store not in KV_STORES:
             raise InvalidConfigError(f"kv_store must be one of {list(KV_STORES)}, got {self.kv_store!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

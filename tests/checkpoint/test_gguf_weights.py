@@ -21,7 +21,7 @@ from hybridkv.checkpoint import GGUFFile, ModelSource, resolve_model
 from hybridkv.engine.engine import EngineConfig, LLMEngine
 from hybridkv.engine.models import CausalLM, Gemma3ForCausalLM, load_model
 from hybridkv.engine.loading import gguf_weights, weight_cache
-from hybridkv.engine.loading.gguf_weights import GGUF_LAYER_NAMES, _unpermute, hf_tensor_name
+from hybridkv.engine.loading.gguf_weights import GGUF_LAYER_NAMES, unpermute_rows, hf_tensor_name
 from hybridkv.errors import UnsupportedQuantizationError, WeightLoadError
 from hybridkv.scheduler import SamplingParams
 
@@ -117,14 +117,14 @@ def test_name_tables_agree_with_the_gguf_package(arch):
     assert hf_tensor_name(arch, "blk.0.ffn_gate_exps.weight") == "blk.0.ffn_gate_exps.weight"  # reported unknown
 
 
-def test_unpermute_inverts_llama_cpp_permute():
+def testunpermute_rows_inverts_llama_cpp_permute():
     rng = np.random.default_rng(0)
     for _ in range(50):
         heads = int(rng.integers(1, 6))
         half = int(rng.integers(1, 5))
         cols = [] if rng.random() < 0.3 else [int(rng.integers(1, 7))]
         w = rng.standard_normal([heads * 2 * half, *cols]).astype(np.float32)
-        assert np.array_equal(_unpermute(_permute(w, heads), heads), w)
+        assert np.array_equal(unpermute_rows(_permute(w, heads), heads), w)
         if half > 1:
             assert not np.array_equal(_permute(w, heads), w)
 

@@ -10,7 +10,7 @@ import importlib
 from hybridkv.cli.options import int_range, memory, tokens
 from hybridkv.core.specs import kv_cache_dtype
 from hybridkv.engine.attention.registry import backend_names, resolve_backend
-from hybridkv.engine_config import DTYPES, ENGINE_DEFAULTS as D, KV_CACHE_DTYPES, KV_STORES, QUANTIZATIONS
+from hybridkv.engine_config import DTYPES, ENGINE_DEFAULTS as D, KV_CACHE_DTYPES, KV_STORES, QUANTIZATION_CHOICES
 from hybridkv.errors import InvalidConfigError, PoolTooSmallError
 from hybridkv.planner.sizes import format_bytes
 
@@ -55,11 +55,16 @@ def add_engine_options(p: argparse.ArgumentParser, *, max_num_seqs_default: str)
                    help="paged attention: triton kernels (CUDA), the reference (torch ops), cpu (fused C decode "
                         "kernels, compiled on first use), or auto: triton on CUDA when triton imports, cpu for a "
                         f"--quantization model on a CPU, else the reference (default {D['attention_backend']})")
-    p.add_argument("--quantization", choices=QUANTIZATIONS, default=D["quantization"],
-                   help="weight-only quantization on a CPU: int8 per output channel, int4 in groups of 32 "
-                        "(embeddings and output projection included; default: the exact weights); computed in "
-                        "bf16 where the CPU has native bf16 (avx512_bf16), else in fp32 (HYBRIDKV_CPU_ISA=avx2 "
-                        "or avx512 lowers the CPU level the C kernels are built for)")
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=D["quantization"],
+                   help="the weights' form. auto (default): a GGUF checkpoint on a CPU with --dtype float32 runs "
+                        "its quantized blocks as the file stores them (gguf: Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, "
+                        "Q6_K decoded in the C kernels, fp32 activations; other tensors dequantized), anything "
+                        "else (safetensors, --device cuda, --dtype bfloat16 / float16) loads the weights "
+                        "dequantized to --dtype, as none. none: the exact (dequantized) weights. int8 per "
+                        "output channel / int4 in groups of 32, on a CPU, for safetensors checkpoints (on a GGUF "
+                        "they quantize its dequantized weights a second time); computed in bf16 where the CPU "
+                        "has native bf16 (avx512_bf16), else fp32 (HYBRIDKV_CPU_ISA=avx2 or avx512 lowers the "
+                        "CPU level the C kernels are built for)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: decode steps run eagerly (default: graphs on CUDA with triton)")
 
@@ -73,7 +78,7 @@ def engine_config(args: argparse.Namespace, max_num_seqs: int):
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InvalidConfigError(f"--device {args.device}: this torch build sees no CUDA device")
-    resolve_backend(args.attention_backend, device.type, quantized=args.quantization is not None)  # refused before the model loads
+    resolve_backend(args.attention_backend, device.type, quantized=args.quantization != "none")  # refused before the model loads
     return EngineConfig(
         device=args.device, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         quantization=args.quantization,

@@ -246,7 +246,7 @@ def summary_line(llm, outputs: list, elapsed: float) -> str:
         if kv.hybrid
         else f"{what}/request at {kv.num_tokens:,} tokens {mine} (all-full, --no-hybrid)"
     )
-    quantization = llm.engine.config.quantization
+    quantization = llm.engine.quantization
     weights = f"weights {quantization}; " if quantization else ""
     return (
         f"{len(outputs)} prompt{'s' if len(outputs) != 1 else ''}: {prompt_tokens:,} prompt + {output_tokens:,} "

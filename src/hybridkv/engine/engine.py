@@ -71,7 +71,7 @@ from hybridkv.engine.kv_storage import PagedKVStorage, check_allocation, torch_d
 from hybridkv.engine.kv_layout import KVLayout
 from hybridkv.engine.kv_summary import KVSummary, UsageTracker, kv_bytes_per_request, state_bytes_per_request
 from hybridkv.engine.model_runner import PagedModelRunner
-from hybridkv.engine.models import load_model
+from hybridkv.engine.models import load_model, resolve_quantization
 from hybridkv.engine.layers.quantized_linear import check_quantization
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.outputs import Progress, RequestDelta, RequestOutput, prompt_scores
@@ -99,18 +99,24 @@ class LLMEngine:
 
     def __init__(self, model: str | Path | ModelSource | CausalLM, config: EngineConfig = EngineConfig()):
         self.config = config
+        #: the weights' form in force: config.quantization resolved for this model (None: exact)
+        q = config.quantization
+        if isinstance(model, CausalLM):  # a loaded model: "auto" takes its form
+            self.quantization = model.quantization if q == "auto" else None if q == "none" else q
+        else:
+            self.quantization = resolve_quantization(q, model, config.dtype, config.device)
         #: the attention backend in use (a registered name), resolved from config.attention_backend
         self.attention_backend = resolve_backend(config.attention_backend, torch.device(config.device).type,
-                                                 quantized=config.quantization is not None)
-        check_quantization(config.quantization, config.device)  # before the model loads
+                                                 quantized=self.quantization is not None)
+        check_quantization(self.quantization, config.device)  # before the model loads
         if torch.device(config.device).type == "cpu":
             fit_threads_to_affinity()
             keep_freed_memory()
         if isinstance(model, CausalLM):
-            if model.quantization != config.quantization:
+            if model.quantization != self.quantization:
                 raise InvalidConfigError(
                     f"the model's weights are {model.quantization or 'not quantized'}; the config asks "
-                    f"{config.quantization or 'none'} (load it with load_model(..., quantization=...))"
+                    f"{self.quantization or 'none'} (load it with load_model(..., quantization=...))"
                 )
             if model.weight_dtype != torch_dtype(config.dtype):
                 raise InvalidConfigError(
@@ -119,7 +125,7 @@ class LLMEngine:
                 )
             self.model = model
         else:
-            self.model = load_model(model, dtype=config.dtype, device=config.device, quantization=config.quantization)
+            self.model = load_model(model, dtype=config.dtype, device=config.device, quantization=self.quantization)
         m = self.model
         if config.max_model_len is not None and config.max_model_len > m.max_position_embeddings:
             # as vLLM: positions past the model's own limit are not what it was made for

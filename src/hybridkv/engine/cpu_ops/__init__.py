@@ -9,6 +9,8 @@ They replace the torch ops between a decode step's matmuls; one line per kernel,
   (an fp32, bf16 or fp16 cache, :data:`KV_TYPES`): the ``"cpu"`` attention backend;
 * :func:`q8_linear`, :func:`q4_linear` - fp32 rows times an int8 / int4 weight, split over the kernels' threads:
   the weight-only quantized linear layers;
+* :func:`gguf_linear`, :func:`gguf_rows` - fp32 rows times a weight in a GGUF file's blocks, and its rows
+  dequantized: a GGUF checkpoint run as it is stored (``--quantization auto``);
 * ``decode_stack`` (on the module :func:`load` returns) - all decoder layers of a decode step in one call,
   from a plan of pointers: the fused decode step;
 * :func:`hold_cores` - whether the kernels' threads or torch's hold the cores: the model's forward (each
@@ -24,11 +26,11 @@ quantization), never on the exact fp32 default.
 
 from __future__ import annotations
 
-from hybridkv.engine.cpu_ops.bindings import (ACTIVATIONS, KV_TYPES, decode_attention, gated_act, hold_cores,
-                                              q4_linear, q8_linear, rms_norm, rope_rotate_half, rounded_rows, rounding_block)
+from hybridkv.engine.cpu_ops.bindings import (ACTIVATIONS, KV_TYPES, decode_attention, gated_act, gguf_linear,
+                                              gguf_rows, hold_cores, q4_linear, q8_linear, rms_norm, rope_rotate_half, rounded_rows, rounding_block)
 from hybridkv.engine.cpu_ops.build import (FLAGS, HERE, MODULE, PRUNE_AFTER_DAYS, SOURCES, load, unavailable)
 # private names the tests reach through the package (``_state``: the same dict the build and hold_cores write)
 from hybridkv.engine.cpu_ops.build import _build, _compiler, _prune, _state  # noqa: F401
 
-__all__ = ["KV_TYPES", "decode_attention", "gated_act", "hold_cores", "load", "q4_linear", "q8_linear", "rms_norm",
+__all__ = ["KV_TYPES", "decode_attention", "gated_act", "gguf_linear", "gguf_rows", "hold_cores", "load", "q4_linear", "q8_linear", "rms_norm",
            "rope_rotate_half", "rounded_rows", "rounding_block", "unavailable"]

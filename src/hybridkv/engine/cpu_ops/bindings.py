@@ -12,8 +12,8 @@ import torch
 
 from hybridkv.engine.cpu_ops.build import _state, load
 
-__all__ = ["ACTIVATIONS", "KV_TYPES", "decode_attention", "gated_act", "hold_cores", "q4_linear", "q8_linear", "rms_norm",
-           "rope_rotate_half", "rounded_rows", "rounding_block"]
+__all__ = ["ACTIVATIONS", "KV_TYPES", "decode_attention", "gated_act", "gguf_linear", "gguf_rows", "hold_cores", "q4_linear",
+           "q8_linear", "rms_norm", "rope_rotate_half", "rounded_rows", "rounding_block"]
 
 
 def hold_cores(kernels: bool) -> None:
@@ -232,4 +232,45 @@ def q4_linear(x: torch.Tensor, nibbles: torch.Tensor, scales_zeros: torch.Tensor
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
     load().q4_linear(x.data_ptr(), x.stride(0), x.shape[0], k, nibbles.data_ptr(), sz.data_ptr(),
                      sz.dtype is torch.bfloat16, group, n, out.data_ptr(), n)
+    return out
+
+
+def _segments(segments: torch.Tensor) -> None:
+    if segments.dtype is not torch.int64 or not segments.is_contiguous() or segments.dim() != 2 \
+            or segments.shape[1] != 4 or not segments.is_cpu:
+        raise ValueError("gguf: segments must be an int64 [S, 4] contiguous CPU tensor")
+
+
+def gguf_linear(x: torch.Tensor, segments: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """x [M, K] fp32 (unit stride in K) times a weight [N, K] held in GGUF blocks -> [M, N] fp32.
+    ``segments`` int64 [S, 4]: per run of output rows its ggml type, its row count, its data's
+    address and its bytes per row (``gguf_blocks.c``; the caller keeps the data alive). The
+    inputs stay fp32; per sub-block ``a * (q . x) + c * sum(x)``, the dequantized weight's
+    product up to the order of the fp32 sums. ValueError when the segments do not fit together."""
+    _linear_rows(x, k, "gguf_linear")
+    _segments(segments)
+    out = torch.empty((x.shape[0], n), dtype=torch.float32)
+    load().gguf_linear(x.data_ptr(), x.stride(0), x.shape[0], k, segments.data_ptr(), segments.shape[0], n,
+                       out.data_ptr(), n)
+    return out
+
+
+def gguf_rows(segments: torch.Tensor, n: int, k: int, ids: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``ids`` [T] int64 (None: all N) of a weight [N, K] in GGUF blocks (see
+    :func:`gguf_linear`), dequantized -> [T, K] fp32 (``out`` when given: contiguous fp32 of that
+    shape): the values gguf's own dequantizer gives, bit for bit. IndexError for an id outside
+    [0, N)."""
+    _segments(segments)
+    if ids is not None and (ids.dtype is not torch.int64 or ids.dim() != 1 or not ids.is_cpu):
+        raise ValueError("gguf_rows: ids must be an int64 [T] CPU tensor")
+    if ids is not None and not ids.is_contiguous():
+        ids = ids.contiguous()
+    t = n if ids is None else ids.shape[0]
+    if out is None:
+        out = torch.empty((t, k), dtype=torch.float32)
+    elif out.shape != (t, k) or out.dtype is not torch.float32 or not out.is_contiguous():
+        raise ValueError(f"gguf_rows: out must be [{t}, {k}] fp32 contiguous")
+    load().gguf_rows(segments.data_ptr(), segments.shape[0], n, k, 0 if ids is None else ids.data_ptr(), t,
+                     out.data_ptr())
     return out

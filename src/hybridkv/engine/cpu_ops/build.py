@@ -59,7 +59,7 @@ HERE = Path(__file__).parent
 #: compiled together into one module (the header first: it is part of the build's key)
 SOURCES = tuple(HERE / name for name in ("cpu_ops.h", "cpu_ops.c", "rowops.c", "attention.c", "qmatmul.c", "pool.c",
                                           "decode_stack.c", "qmatmul.h", "qmatmul_bf16.c",
-                                          "qmatmul_avx2.c"))
+                                          "qmatmul_avx2.c", "gguf_blocks.c"))
 #: ``-fno-trapping-math``: no kernel reads the FP exception flags, and without it gcc keeps the
 #: selects around a division (the activations' sigmoid, the softmax's exp) as branches and
 #: vectorizes none of those loops (~10x slower per element)
@@ -144,14 +144,43 @@ def _build(folder: Path, cc: str) -> Path:
         return path
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f"{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"  # unique on a shared folder too
-    cmd = [cc, *flags, f"-I{include}", *(str(p) for p in SOURCES if p.suffix == ".c"), "-o", str(tmp), "-lm"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"{cc} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    _compile(cc, flags, include, tmp)
     os.replace(tmp, path)  # another process may have built it meanwhile: same bytes
     _prune(folder, path)
     return path
+
+
+def _compile(cc: str, flags: tuple[str, ...], include: str, out: Path) -> None:
+    """Compile :data:`SOURCES` into the module ``out``: each C file to an object on its own core
+    (as many at once as the process may use), then one link; RuntimeError naming the compiler's
+    last line when a step fails. Says on stderr that it builds (a one-time wait of seconds)."""
+    import sys
+
+    sources = [p for p in SOURCES if p.suffix == ".c"]
+    print(f"hybridkv: building the CPU kernels once for this machine ({len(sources)} C files, {cc})",
+          file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="hybridkv-cc-") as objdir:
+        objects = [Path(objdir) / f"{p.stem}.o" for p in sources]
+        compile_flags = [f for f in flags if f != "-shared"]
+        jobs = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+        pending = sorted(zip(sources, objects), key=lambda so: -so[0].stat().st_size)  # the longest first
+
+        def one(so: tuple[Path, Path]) -> subprocess.CompletedProcess:
+            return subprocess.run([cc, *compile_flags, f"-I{include}", "-c", str(so[0]), "-o", str(so[1])],
+                                  capture_output=True, text=True, timeout=300)
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            results = list(pool.map(one, pending))
+        failed = next((r.stderr or r.stdout for r in results if r.returncode != 0), None)
+        if failed is None:
+            done = subprocess.run([cc, *flags, *(str(o) for o in objects), "-o", str(out), "-lm"],
+                                  capture_output=True, text=True, timeout=300)
+            failed = None if done.returncode == 0 else (done.stderr or done.stdout)
+    if failed is not None:
+        out.unlink(missing_ok=True)
+        raise RuntimeError(f"{cc} failed: {failed.strip().splitlines()[-1:]}")
 
 
 def _import(path: Path) -> ModuleType:

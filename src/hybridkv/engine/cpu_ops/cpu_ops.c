@@ -90,6 +90,8 @@ static PyMethodDef methods[] = {
     FAST(decode_attention, "K/V write and paged attention of one query per sequence (fp32 / bf16 / fp16 cache)"),
     FAST(q8_linear, "fp32 rows times an int8 weight"),
     FAST(q4_linear, "fp32 rows times an int4 weight"),
+    FAST(gguf_linear, "fp32 rows times a weight in GGUF blocks"),
+    FAST(gguf_rows, "rows of a weight in GGUF blocks, dequantized"),
     FAST(decode_stack, "a decode step's decoder layers in one call"),
     {"set_threads", set_threads, METH_O, "threads of the splitting kernels"},
     {"get_threads", get_threads, METH_NOARGS, "threads of the splitting kernels"},

@@ -107,7 +107,8 @@ long pool_threads(void);
 
 /* qmatmul.c: y [M, N] (rows at + m * sy) = x [M, K] (rows at + m * sx) times a quantized
  * weight [N, K]: kind 1 int8 (w: q [N, K], scales fp32 [N]), 2 int4 (w: nibbles [N, K/2],
- * scales: (scale, zero) pairs [N, K/G, 2] in bf16 when sz_bf16, else fp32) */
+ * scales: (scale, zero) pairs [N, K/G, 2] in bf16 when sz_bf16, else fp32), 3 GGUF blocks
+ * (w: the segment table int64 [group, 4] of gguf_blocks.c, scales unused) */
 typedef struct {
     long kind;
     const void *w, *scales;
@@ -119,6 +120,13 @@ int qweight_ok(const qweight *w);
 int qmatmul(const qweight *w, const float *x, long sx, long M, float *y, long sy);
 PyObject *q8_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *q4_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+/* gguf_blocks.c: weights in GGUF block types (segments: int64 [S, 4] of type, rows, data, row bytes) */
+int gguf_weight_ok(const int64_t *seg, long S, long N, long K);
+/* 0, or -1 when out of memory */
+int gguf_matmul(const int64_t *seg, long S, long N, long K, const float *x, long sx, long M, float *y, long sy);
+PyObject *gguf_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *gguf_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* decode_stack.c */
 PyObject *decode_stack(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

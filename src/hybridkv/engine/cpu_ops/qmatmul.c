@@ -209,6 +209,7 @@ int qmatmul(const qweight *w, const float *x, long sx, long M, float *y, long sy
     qjob j = {.x = x, .sx = sx, .M = M, .K = w->K, .N = w->N, .w = w->w, .scales = w->scales,
               .sz_bf16 = (int)w->sz_bf16, .G = w->group, .y = y, .sy = sy, .xp = NULL};
     if (M <= 0 || w->N <= 0) return 0;
+    if (w->kind == 3) return gguf_matmul(w->w, w->group, w->N, w->K, x, sx, M, y, sy);
     if (w->sz_bf16 && M >= BF16_ROWS) { /* bf16 inputs: x rounded once, weights decoded per tile of 4 rows */
         long K32 = (w->K + 31) / 32 * 32, parts = qm_parts(w->N * w->K * M / (M < 4 ? M : 4));
         uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)(K32 * (M + QM_TILES * 4 * parts)));
@@ -236,9 +237,10 @@ int qmatmul(const qweight *w, const float *x, long sx, long M, float *y, long sy
 #endif
 }
 
-/* a weight of kind 1 (int8) or 2 (int4: G a multiple of 32 dividing K), K >= 1, N >= 0, its
- * memory given when it has rows */
+/* a weight of kind 1 (int8), 2 (int4: G a multiple of 32 dividing K) or 3 (GGUF blocks: G
+ * segments that fit together), K >= 1, N >= 0, its memory given when it has rows */
 int qweight_ok(const qweight *w) {
+    if (w->kind == 3) return gguf_weight_ok(w->w, w->group, w->N, w->K);
     if (w->K < 1 || w->N < 0 || (w->N > 0 && (w->w == NULL || w->scales == NULL))) return 0;
     return w->kind == 1 || (w->kind == 2 && w->group >= 32 && w->group % 32 == 0 && w->K % w->group == 0);
 }

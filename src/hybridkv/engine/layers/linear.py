@@ -214,6 +214,11 @@ class FusedQKV(nn.Module):
     def quant_targets(self) -> list[tuple[str, torch.Tensor]]:
         return [] if self.qkv_weight is None else [("qkv_packed", self.qkv_weight)]
 
+    def quant_parts(self) -> dict[str, tuple[str, ...]]:
+        """Which linears' weights, in row order, the fused slot holds (a checkpoint's own blocks
+        are joined by rows: :mod:`~hybridkv.engine.loading.gguf_native`)."""
+        return {"qkv_packed": ("q_proj", "k_proj", "v_proj")}
+
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, q out + k out + v out]: q, then k, then v (one matmul once fused)."""
         if self.qkv_weight is None:

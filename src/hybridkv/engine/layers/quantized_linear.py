@@ -277,6 +277,8 @@ def check_quantization(quantization: str | None, device: str | torch.device = "c
 def quantize_weight(weight: torch.Tensor, mode: str, dtype: torch.dtype, group: int = 128) -> Int8Weight | Int4Weight:
     """``weight`` [N, K] quantized as ``mode`` (``"int8"`` / ``"int4"``), computed in ``dtype``."""
     check_quantization(mode, weight.device)
+    if mode not in ("int8", "int4"):
+        raise InvalidConfigError(f"{mode} weights are not made by quantizing a tensor (gguf: a GGUF file's own blocks)")
     if mode == "int8":
         return Int8Weight(weight, dtype)
     return Int4Weight(weight, group, dtype)

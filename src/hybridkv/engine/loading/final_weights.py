@@ -47,7 +47,7 @@ def final_cache_for(source, dtype: torch.dtype, quantization: str | None) -> Pat
     """Where ``source`` (a ModelSource) in this form is cached; None: an fp32 or non-GGUF model, or the cache is off."""
     from hybridkv.engine.loading import weight_cache
 
-    if source.kind != "gguf" or (dtype == torch.float32 and quantization is None):
+    if source.kind != "gguf" or (dtype == torch.float32 and quantization is None) or quantization == "gguf":
         return None
     folder = weight_cache.cache_dir()
     if folder is None:

@@ -21,7 +21,7 @@ supported ones, raised before any tensor is read.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Collection, Iterator, Mapping
 
 import torch
 
@@ -36,6 +36,8 @@ __all__ = [
     "check_quant_types",
     "gguf_weight_plan",
     "gguf_tensors",
+    "permuted_heads",
+    "unpermute_rows",
 ]
 
 #: whole-model tensors, every family
@@ -133,32 +135,45 @@ def gguf_weight_plan(gguf: GGUFFile) -> list[tuple[str, tuple[int, ...], GGUFTen
     return plan
 
 
-def _unpermute(w, n_head: int):
+def unpermute_rows(w, n_head: int):
     """Undo llama.cpp's rotary row permutation of a q / k weight (or bias) ``w`` [n_head * d, ...]."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _convert(arch: str, gguf_name: str, w, config: Mapping[str, Any]):
-    """The HF layout / values of dequantized GGUF tensor ``w`` (fp32 numpy)."""
+def permuted_heads(arch: str, gguf_name: str, config: Mapping[str, Any]) -> int | None:
+    """The head count whose rotary row permutation llama.cpp applied to tensor ``gguf_name``
+    (None: stored in HF's row order)."""
     if arch in _PERMUTED and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
         heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
         if heads is not None and kv_heads is not None:
-            w = _unpermute(w, heads if ".attn_q." in gguf_name else kv_heads)
+            return heads if ".attn_q." in gguf_name else kv_heads
+    return None
+
+
+def _convert(arch: str, gguf_name: str, w, config: Mapping[str, Any]):
+    """The HF layout / values of dequantized GGUF tensor ``w`` (fp32 numpy)."""
+    heads = permuted_heads(arch, gguf_name, config)
+    if heads is not None:
+        w = unpermute_rows(w, heads)
     if arch in _NORM_PLUS_ONE and "norm.weight" in gguf_name:
         w = w - 1  # fp32 - 1, as transformers
     return w
 
 
-def gguf_tensors(gguf: GGUFFile, config: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The file's tensors as (HF name, fp32 tensor), converted to HF's layout; checks every
-    tensor's type first, so an unsupported one fails before anything is read."""
+def gguf_tensors(gguf: GGUFFile, config: Mapping[str, Any],
+                 skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors as (HF name, fp32 tensor), converted to HF's layout, but those whose HF
+    names are in ``skip`` (not read at all); checks every tensor's type first, so an unsupported
+    one fails before anything is read."""
     import numpy as np
     from gguf.quants import dequantize
 
     check_quant_types(gguf)
     arch = gguf.architecture or ""
     for name, shape, info in gguf_weight_plan(gguf):
+        if name in skip:
+            continue
         w = dequantize(gguf.raw(info), info.ggml_type)  # fp32, numpy-order shape
         w = _convert(arch, info.name, w, config)
         if not (w.flags.writeable and w.flags.c_contiguous and w.dtype == np.float32):  # a view of the mapping

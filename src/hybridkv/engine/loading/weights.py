@@ -21,7 +21,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping
 
 import torch
 
@@ -188,18 +188,20 @@ def load_weights(
     tied: dict[str, str] | None = None,
     dtype: torch.dtype | None = None,
     rename: Callable[[str], str | None] | None = None,
+    provided: Collection[str] = (),
 ) -> None:
     """Copy ``tensors`` (a tensor source: safetensors, GGUF, a cache) into ``module``'s parameters by name.
 
     ``tied`` maps a parameter that may be absent to the one it shares storage with
     (``{"lm_head.weight": "model.embed_tokens.weight"}``); the module must already
     tie them. ``rename`` maps a checkpoint name to the parameter's (None: skip the
-    tensor). Raises WeightLoadError for unknown, missing, misshaped or repeated tensors
+    tensor). ``provided``: parameters another route fills (a GGUF file's blocks kept as they are),
+    counted as found and not expected among ``tensors``. Raises WeightLoadError for unknown, missing, misshaped or repeated tensors
     (messages name the checkpoint's tensors as the source does, prefixed by ``label``).
     """
     tied = tied or {}
     params = module.state_dict(keep_vars=True)
-    seen: set[str] = set()
+    seen: set[str] = set(provided)
     unknown: list[str] = []
     misshaped: list[str] = []
     repeated: list[str] = []

@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+
 from hybridkv.checkpoint.config import as_model_source, read_model_config
 from hybridkv.checkpoint.installed import ModelSource
 from hybridkv.engine.models.base import CausalLM
@@ -26,7 +28,7 @@ from hybridkv.engine.models.qwen2 import Qwen2ForCausalLM
 from hybridkv.engine.models.qwen3 import Qwen3ForCausalLM
 from hybridkv.engine.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from hybridkv.engine.layers.quantized_linear import check_quantization
-from hybridkv.errors import UnknownArchitectureError
+from hybridkv.errors import InvalidConfigError, UnknownArchitectureError
 
 __all__ = [
     "CausalLM",
@@ -35,6 +37,7 @@ __all__ = [
     "MODEL_TYPES",
     "model_class_for",
     "load_model",
+    "resolve_quantization",
     "LlamaForCausalLM",
     "Llama4ForCausalLM",
     "Gemma3ForCausalLM",
@@ -81,14 +84,38 @@ def model_class_for(config: Mapping[str, Any]) -> type[CausalLM]:
     )
 
 
+def resolve_quantization(quantization: str | None, source: str | Path | ModelSource, dtype: str = "float32",
+                         device: str = "cpu") -> str | None:
+    """The weight form a ``quantization`` choice gives for ``source`` (None: the exact weights).
+
+    ``"auto"``: ``"gguf"`` (the file's quantized blocks run as stored) for a GGUF checkpoint on a
+    CPU in ``float32`` where the C kernels build; else None (a safetensors checkpoint, ``--device
+    cuda``, another dtype: the weights dequantized to ``dtype``). ``"none"`` / None: None. Any other
+    choice as it is (``"gguf"`` for a non-GGUF checkpoint is an InvalidConfigError).
+    """
+    if quantization in (None, "none"):
+        return None
+    kind = as_model_source(source).kind
+    if quantization == "auto":
+        from hybridkv.engine.layers.gguf_linear import native_available
+
+        cpu = torch.device(device).type == "cpu"
+        return "gguf" if kind == "gguf" and cpu and str(dtype) == "float32" and native_available() else None
+    if quantization == "gguf" and kind != "gguf":
+        raise InvalidConfigError(f"quantization gguf runs a GGUF file's own blocks; {source} is not a GGUF checkpoint")
+    return quantization
+
+
 def load_model(
     source: str | Path | ModelSource, dtype: str = "float32", device: str = "cpu", prepack: bool = True,
     quantization: str | None = None,
 ) -> CausalLM:
     """Build the model of ``source`` (a directory, a .gguf file, a name) and load its weights
-    (``prepack``: CausalLM.prepack_weights; ``quantization``: CausalLM.quantize_weights, "int8" / "int4")."""
+    (``prepack``: CausalLM.prepack_weights; ``quantization``: a choice :func:`resolve_quantization`
+    resolves: "int8" / "int4" CausalLM.quantize_weights, "gguf" the file's blocks as stored)."""
     source = as_model_source(source)
     config = read_model_config(source)
+    quantization = resolve_quantization(quantization, source, dtype, device)
     check_quantization(quantization, device)
     return model_class_for(config).from_config(config, source, dtype=dtype, device=device, prepack=prepack,
                                                quantization=quantization)

@@ -154,7 +154,8 @@ class CausalLM(nn.Module):
     ) -> "CausalLM":
         """Build, load the weights of ``source`` (a model directory, a .gguf file, an installed
         model's name), fuse q/k/v and gate/up; ``prepack``: see :meth:`prepack_weights`;
-        ``quantization``: :meth:`quantize_weights` (then no prepacking). A GGUF model in another
+        ``quantization``: :meth:`quantize_weights` (then no prepacking); ``"gguf"``: a GGUF file's
+        quantized blocks kept as stored (:mod:`~hybridkv.engine.loading.gguf_native`). A GGUF model in another
         form than fp32 comes from, or goes to, the final-form cache (:mod:`~hybridkv.engine.loading.final_weights`).
 
         A multimodal checkpoint (``text_config`` in ``config``) loads its language model only:
@@ -180,7 +181,13 @@ class CausalLM(nn.Module):
         from hybridkv.engine.loading import final_weights
 
         final = final_weights.final_cache_for(source, model.model.embed_tokens.weight.dtype, quantization)
-        if final is None or not final.exists() or not final_weights.load_final(model, final, quantization):
+        if quantization == "gguf":  # the file's blocks as stored: no cache, nothing dequantized whole
+            if source.kind != "gguf":
+                raise InvalidConfigError(f"quantization gguf needs a GGUF checkpoint, not {source.path}")
+            from hybridkv.engine.loading.gguf_native import load_native
+
+            load_native(model, source.path, config, label=source.name or source.path.name, tied=tied, rename=rename)
+        elif final is None or not final.exists() or not final_weights.load_final(model, final, quantization):
             tensors = checkpoint_tensors(source, config, skip=skip, use_cache=final is None)
             load_weights(model, tensors, label=str(source.path), tied=tied, rename=rename)
             model.fuse_weights()

@@ -52,6 +52,10 @@ class GatedMLP(nn.Module):
     def quant_targets(self) -> list[tuple[str, torch.Tensor]]:
         return [] if self.gate_up_weight is None else [("gate_up_packed", self.gate_up_weight)]
 
+    def quant_parts(self) -> dict[str, tuple[str, ...]]:
+        """The linears the fused gate / up slot holds, in row order."""
+        return {"gate_up_packed": ("gate_proj", "up_proj")}
+
     def decode_parts(self) -> dict[str, Any] | None:
         """What :class:`~hybridkv.engine.attention.cpu_stack.FusedDecode` needs: gate/up and down
         quantized, no biases, an activation with a C kernel (else None)."""
