@@ -91,7 +91,7 @@ def test_group_sizes_and_errors():
     assert int4_group_size([576, 1536]) == 32  # SmolLM2-135M
     with pytest.raises(InvalidConfigError, match="multiple of 32; this model has 100: use --quantization int8"):
         int4_group_size([64, 100])
-    with pytest.raises(InvalidConfigError, match="quantization must be one of int8, int4; got 'int3'"):
+    with pytest.raises(InvalidConfigError, match="quantization must be one of int8, int4, gguf; got 'int3'"):
         quantize_weight(torch.zeros(2, 32), "int3", torch.float32)
 
 

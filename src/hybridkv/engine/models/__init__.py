@@ -28,7 +28,7 @@ from hybridkv.engine.models.qwen2 import Qwen2ForCausalLM
 from hybridkv.engine.models.qwen3 import Qwen3ForCausalLM
 from hybridkv.engine.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from hybridkv.engine.layers.quantized_linear import check_quantization
-from hybridkv.errors import InvalidConfigError, UnknownArchitectureError
+from hybridkv.errors import InvalidArgumentError, InvalidConfigError, UnknownArchitectureError
 
 __all__ = [
     "CausalLM",
@@ -95,7 +95,12 @@ def resolve_quantization(quantization: str | None, source: str | Path | ModelSou
     """
     if quantization in (None, "none"):
         return None
-    kind = as_model_source(source).kind
+    if quantization not in ("auto", "gguf"):
+        return quantization
+    try:
+        kind = as_model_source(source).kind
+    except InvalidArgumentError:  # not a model: the load says so (the other settings are checked first)
+        return None if quantization == "auto" else quantization
     if quantization == "auto":
         from hybridkv.engine.layers.gguf_linear import native_available
 
