@@ -2,7 +2,7 @@
 models (accuracy is measured, not assumed).
 
     nice -n 10 python3 benchmarks/eval_parity.py [--quick] [--models gemma-3-270m,smollm2-135m]
-        [--precisions fp32,bf16,int8,int4,kv-bf16,kv-fp16,int8-kv-bf16] [--lengths 1024,2048,4096,8192] [--items-per-length N]
+        [--precisions fp32,gguf,bf16,int8,int4,kv-bf16,kv-fp16,int8-kv-bf16] [--lengths 1024,2048,4096,8192] [--items-per-length N]
         [--qa-items N] [--seed S] [--kv-budget 1GiB] [--threads N] [--hf] [--json PATH]
 
 vLLM accepted chunked local attention in its hybrid KV cache manager on an accuracy
@@ -17,7 +17,8 @@ Models: Gemma 3 270M base (sliding window 512, every 6th layer full) on plain
 completion prompts, and SmolLM2-135M-Instruct (all full attention; 8,192 positions)
 through its chat template; both GGUF files from the package index, read by our loader
 and tokenizer. Precisions (``--precisions``, default all): ``fp32`` (float32 weights and
-KV, no quantization: the engine's exact default and the reference), ``bf16`` (bfloat16
+KV, no quantization: the exact path and the reference), ``gguf`` (the file's quantized
+blocks run as stored, fp32 activations and KV: what ``--quantization auto`` picks on a CPU), ``bf16`` (bfloat16
 weights, activations and KV), ``int8`` / ``int4`` (float32 model and KV, weight-only
 quantization: ``load_model(..., quantization=...)``, int8 per output channel, int4
 group-wise), ``kv-bf16`` / ``kv-fp16`` (float32 model, the KV cache in bfloat16 / float16:
@@ -109,6 +110,7 @@ class Precision:
 #: in run order; fp32 (the engine's exact default) is the reference of the agreement figures
 PRECISIONS = {
     "fp32": Precision("fp32", "float32", None),
+    "gguf": Precision("gguf", "float32", "gguf"),
     "bf16": Precision("bf16", "bfloat16", None),
     "int8": Precision("int8", "float32", "int8"),
     "int4": Precision("int4", "float32", "int4"),

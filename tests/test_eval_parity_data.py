@@ -182,12 +182,12 @@ def test_precisions_argument():
     import eval_parity as ep
 
     args = ep.parse_args(["--quick"])
-    assert args.precisions == ["fp32", "bf16", "int8", "int4", "kv-bf16", "kv-fp16", "int8-kv-bf16"]
+    assert args.precisions == ["fp32", "gguf", "bf16", "int8", "int4", "kv-bf16", "kv-fp16", "int8-kv-bf16"]
     assert "niah_multivalue" not in args.tasks
     assert ep.parse_args(["--precisions", "int4,fp32,int4"]).precisions == ["fp32", "int4"]  # fp32 first
     assert ep.parse_args([]).tasks == list(ed.TASKS)
     assert {k: (v.dtype, v.quantization, v.kv_cache_dtype) for k, v in ep.PRECISIONS.items()} == {
-        "fp32": ("float32", None, "auto"), "bf16": ("bfloat16", None, "auto"), "int8": ("float32", "int8", "auto"),
+        "fp32": ("float32", None, "auto"), "gguf": ("float32", "gguf", "auto"), "bf16": ("bfloat16", None, "auto"), "int8": ("float32", "int8", "auto"),
         "int4": ("float32", "int4", "auto"), "kv-bf16": ("float32", None, "bfloat16"),
         "kv-fp16": ("float32", None, "float16"), "int8-kv-bf16": ("float32", "int8", "bfloat16"),
     }

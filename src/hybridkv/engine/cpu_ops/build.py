@@ -59,7 +59,8 @@ HERE = Path(__file__).parent
 #: compiled together into one module (the header first: it is part of the build's key)
 SOURCES = tuple(HERE / name for name in ("cpu_ops.h", "cpu_ops.c", "rowops.c", "attention.c", "qmatmul.c", "pool.c",
                                           "decode_stack.c", "qmatmul.h", "qmatmul_bf16.c",
-                                          "qmatmul_avx2.c", "gguf_blocks.c"))
+                                          "qmatmul_avx2.c", "gguf_blocks.h", "gguf_blocks.c",
+                                          "gguf_blocks_vec.c"))
 #: ``-fno-trapping-math``: no kernel reads the FP exception flags, and without it gcc keeps the
 #: selects around a division (the activations' sigmoid, the softmax's exp) as branches and
 #: vectorizes none of those loops (~10x slower per element)

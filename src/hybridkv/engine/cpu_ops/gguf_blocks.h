@@ -1,0 +1,69 @@
+/* What gguf_blocks.c (types, the scalar decode, the scratch-row matmul, the Python entry points)
+ * and gguf_blocks_vec.c (the AVX2 / AVX-512 decode and the in-register matmul) share. See
+ * gguf_blocks.c for the layouts and the contract. */
+#ifndef HYBRIDKV_GGUF_BLOCKS_H
+#define HYBRIDKV_GGUF_BLOCKS_H
+#include "qmatmul.h"
+
+/* up to this many rows of x, the vector build decodes each weight row in registers once per 4
+ * rows of x; more rows decode it once into a scratch row that all of them read */
+#define FUSED_ROWS 8
+
+typedef struct {
+    long id, qk, bytes, sub; /* ggml type id, values per block, bytes per block, values per sub-block */
+} gtype;
+
+static const gtype GTYPES[] = {
+    {2, 32, 18, 32}, {3, 32, 20, 32}, {6, 32, 22, 32}, {7, 32, 24, 32},
+    {8, 32, 34, 32}, {12, 256, 144, 32}, {13, 256, 176, 32}, {14, 256, 210, 16},
+};
+
+static inline const gtype *gguf_type(long id) {
+    for (size_t i = 0; i < sizeof GTYPES / sizeof GTYPES[0]; i++)
+        if (GTYPES[i].id == id) return &GTYPES[i];
+    return NULL;
+}
+
+/* whether the type's sub-blocks have offsets c (else c = 0) */
+static inline int has_offsets(const gtype *t) { return t->id == 3 || t->id == 7 || t->id == 12 || t->id == 13; }
+
+#if defined(__F16C__) && !defined(HYBRIDKV_GENERIC)
+#include <immintrin.h>
+static inline float h2f(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
+#else
+static inline float h2f(const uint8_t *p) { return f16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
+#endif
+
+/* K-quants' 6-bit scale and min of sub-block j (ggml's get_scale_min_k4) */
+static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63, *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+
+typedef struct {
+    const int64_t *seg; /* [S, 4] */
+    long S, N, K;
+    const float *x; /* [M, K], rows at + m * sx */
+    long sx, M;
+    const float *xs; /* [M, K / 32]: sums of x per 32 columns (NULL: no segment has offsets) */
+    float *y;        /* [M, N], rows at + m * sy */
+    long sy;
+    const int64_t *ids; /* gguf_rows: the rows to dequantize [T] (NULL: rows 0..T-1) */
+    long T;
+} gjob;
+
+#if (defined(QM_AVX2) || defined(QM_AVX512))
+#define GG_VEC 1
+/* gguf_blocks_vec.c: block id's values decoded and scaled, w = a * q [QK], offsets c [QK / L] */
+void gguf_decode_block_vec(long id, const uint8_t *b, float *w, float *c);
+/* y[:, n] of all rows of x times a decoded row (w [K], offsets c [K / L]) */
+void gguf_dot_row_vec(const gjob *j, const float *w, const float *c, long L, int offsets, long n);
+/* rows [n0, n1) of every segment times the rows of x, each weight row decoded in registers */
+void gguf_fused_part(const gjob *j, long n0, long n1);
+#endif
+#endif
