@@ -183,6 +183,11 @@ class _Cursor:
         return self.array(item_type, count, what, depth + 1)
 
 
+#: files parsed in this process, by (path, size, modification time, inode): GGUFFile.open's cache
+_PARSED: dict[tuple, "GGUFFile"] = {}
+_PARSED_MAX = 8
+
+
 class GGUFFile:
     """A parsed GGUF header; tensor data stays on disk (see :meth:`raw`)."""
 
@@ -213,16 +218,27 @@ class GGUFFile:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> "GGUFFile":
-        """Parse the header of ``path``; GGUFFormatError if it is not a complete GGUF file."""
+        """Parse the header of ``path``; GGUFFormatError if it is not a complete GGUF file. A
+        file parsed before and unchanged since (the same size and modification time) is not
+        parsed again: a tokenizer's metadata arrays take most of a second to read, and a load
+        opens the file for its config, its tokenizer and its tensors."""
         path = Path(path)
         try:
             with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
+                st = os.fstat(f.fileno())
+                size = st.st_size
                 if size == 0:
                     raise GGUFFormatError(f"{path}: empty file (0 bytes), not GGUF")
+                key = (str(path.resolve()), size, st.st_mtime_ns, st.st_ino)
+                if key in _PARSED:
+                    return _PARSED[key]
                 buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 try:
-                    return cls._parse(path, buf, size)
+                    parsed = cls._parse(path, buf, size)
+                    if len(_PARSED) >= _PARSED_MAX:
+                        _PARSED.pop(next(iter(_PARSED)))
+                    _PARSED[key] = parsed
+                    return parsed
                 finally:
                     try:
                         buf.close()

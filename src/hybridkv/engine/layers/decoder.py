@@ -101,7 +101,10 @@ class DecoderStack(nn.Module):
 
     def __init__(self, vocab: int, hidden: int, layers: list[nn.Module], norm: nn.Module) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, hidden)
+        # built on the meta device (the loader's case): no random init (there torch's normal_ takes a
+        # path that imports torch._dynamo, seconds at start-up); elsewhere nn.Embedding's own
+        weight = torch.empty(vocab, hidden)
+        self.embed_tokens = nn.Embedding(vocab, hidden, _weight=weight) if weight.is_meta else nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 
