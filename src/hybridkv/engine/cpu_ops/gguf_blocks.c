@@ -186,21 +186,19 @@ static void matmul_part(void *ctx, long p, long P) {
 static void rows_part(void *ctx, long p, long P) {
     const gjob *j = ctx;
     long K = j->K, t0 = j->T * p / P, t1 = j->T * (p + 1) / P;
-    float *q = scratch(K);
-    if (q == NULL) return;
-    float *c = q + K;
+    float c[K / 16 + 1]; /* a row's offsets (K / L of them) */
     for (long r = t0; r < t1; r++) {
         const gtype *t;
         const uint8_t *row = row_at(j, j->ids != NULL ? j->ids[r] : r, &t);
-        decode_row(t, row, K, q, c);
-        long L = t->sub;
         float *out = j->y + r * j->sy;
-        if (has_offsets(t)) /* (else a * q alone: + 0 would turn a -0 into +0) */
-            for (long k = 0; k < K; k++) out[k] = q[k] + c[k / L];
-        else
-            memcpy(out, q, sizeof(float) * (size_t)K);
+        decode_row(t, row, K, out, c); /* a * q, then + c: gguf's values (+ 0 would turn a -0 into +0) */
+        long L = t->sub;
+        if (has_offsets(t))
+            for (long sb = 0; sb < K / L; sb++) {
+                float cs = c[sb];
+                for (long i = sb * L; i < (sb + 1) * L; i++) out[i] += cs;
+            }
     }
-    free(q);
 }
 
 /* the segment table fits together: known types, K a multiple of each one's block, rows adding

@@ -12,7 +12,7 @@ static inline void put32(__m256i v, float *q, int sgn, float off, float a) {
     __m256 o = _mm256_set1_ps(off), s = _mm256_set1_ps(a);
     for (int i = 0; i < 4; i++) {
         __m256i w = sgn ? _mm256_cvtepi8_epi32(parts[i]) : _mm256_cvtepu8_epi32(parts[i]);
-        _mm256_store_ps(q + 8 * i, _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(w), o), s));
+        _mm256_storeu_ps(q + 8 * i, _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(w), o), s));
     }
 }
 
@@ -21,7 +21,7 @@ static inline void put32_2(__m256i v, float *q, float a0, float a1) {
     __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
     __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int i = 0; i < 4; i++)
-        _mm256_store_ps(q + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])),
+        _mm256_storeu_ps(q + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])),
                                                   _mm256_set1_ps(i < 2 ? a0 : a1)));
 }
 

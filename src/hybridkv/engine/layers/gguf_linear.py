@@ -61,6 +61,18 @@ def native_available() -> bool:
     return cpu_ops.load() is not None
 
 
+_buffer: list[torch.Tensor] = []
+
+
+def _slice_buffer(numel: int) -> torch.Tensor:
+    """A reused fp32 buffer of at least ``numel`` (at most :data:`DENSE_SLICE`) values for the
+    slices :meth:`GGUFWeight.linear` dequantizes: fresh memory per slice would fault in its pages
+    each time. One per process (the engine runs one step at a time)."""
+    if not _buffer or _buffer[0].numel() < numel:
+        _buffer[:] = [torch.empty(max(numel, min(DENSE_SLICE, 1 << 20)), dtype=torch.float32)]
+    return _buffer[0][:numel]
+
+
 class GGUFWeight:
     """``[N, K]`` as GGUF blocks: ``parts`` of ``(ggml type id, data uint8 [rows, row bytes])``,
     output rows in order. The data are held (the kernels read their addresses)."""
@@ -122,9 +134,16 @@ class GGUFWeight:
         n, k = self.shape
         step = max(1, DENSE_SLICE // k)
         out = torch.empty((x.shape[0], n), dtype=torch.float32)
+        native = native_available()
         for n0 in range(0, n, step):
             ids = torch.arange(n0, min(n, n0 + step))
-            out[:, n0 : n0 + ids.shape[0]] = torch.nn.functional.linear(x, self.rows(ids))  # [M, slice]
+            if native:  # the kernels' threads decode the slice into the reused buffer, torch's multiply it
+                cpu_ops.hold_cores(True)
+                w = cpu_ops.gguf_rows(self.segments, n, k, ids=ids, out=_slice_buffer(ids.shape[0] * k).view(-1, k))
+                cpu_ops.hold_cores(False)
+            else:
+                w = self._python_rows(ids)
+            out[:, n0 : n0 + ids.shape[0]] = torch.nn.functional.linear(x, w)  # [M, slice]
         return out
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
