@@ -122,6 +122,8 @@ CASES = [
      "argument --attention-backend: invalid choice: 'flash'"),
     ("quantization int3", ["generate", "{M}", "--prompt-ids", "1", "--quantization", "int3"],
      "argument --quantization: invalid choice: 'int3'"),
+    ("quantization gguf of safetensors", ["generate", "{M}", "--prompt-ids", "1", "--quantization", "gguf"],
+     "is not a GGUF checkpoint"),
     ("max-tokens past the context", ["generate", "{M}", "--prompt-ids", "1,2,3", "--max-model-len", "16",
                                      "--max-tokens", "14"],
      "maximum context length is 16 tokens; you requested 17 tokens (3 in the prompt, 14 for the completion)"),

@@ -29,7 +29,11 @@ static inline int has_offsets(const gtype *t) { return t->id == 3 || t->id == 7 
 
 #if defined(__F16C__) && !defined(HYBRIDKV_GENERIC)
 #include <immintrin.h>
-static inline float h2f(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
+/* (vmovd then vcvtph2ps: _cvtsh_ss's vpinsrw would merge into a register the previous block's
+ * decode wrote, chaining every block to the one before) */
+static inline float h2f(const uint8_t *p) {
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((int)(p[0] | (p[1] << 8)))));
+}
 #else
 static inline float h2f(const uint8_t *p) { return f16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
 #endif

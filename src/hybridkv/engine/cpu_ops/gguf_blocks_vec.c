@@ -130,22 +130,20 @@ static inline __attribute__((always_inline)) void dot_tile(const float *w, const
         y[(m0 + b) * sy + n] = hsum8(t) + off;
     }
 }
-/* 32 code bytes -> 4 registers of 8 floats (code + off) * a (a0 for the first 16, a1 after) */
-static inline __attribute__((always_inline)) void regs32(__m256i v, int sgn, float off, float a0, float a1, __m256 w[4]) {
+/* 32 code bytes -> 4 registers of 8 floats, unscaled (signed codes: their offset already taken
+ * off in the bytes) */
+static inline __attribute__((always_inline)) void codes32(__m256i v, int sgn, __m256 w[4]) {
     __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
     __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    __m256 o = _mm256_set1_ps(off), s0 = _mm256_set1_ps(a0), s1 = _mm256_set1_ps(a1);
-    for (int i = 0; i < 4; i++) {
-        __m256 f = _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(parts[i]) : _mm256_cvtepu8_epi32(parts[i]));
-        if (off != 0.0f) f = _mm256_add_ps(f, o);
-        w[i] = _mm256_mul_ps(f, i < 2 ? s0 : s1);
-    }
+    for (int i = 0; i < 4; i++)
+        w[i] = _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(parts[i]) : _mm256_cvtepu8_epi32(parts[i]));
 }
 
-/* values 32 sb .. 32 sb + 31 of block b (type id, a constant after inlining) -> w (a * q, as
- * decode_row makes them) and their offset c */
+/* values 32 sb .. 32 sb + 31 of block b (type id, a constant after inlining) -> their codes q
+ * (floats, unscaled), the scales a0 (first 16) and a1 (last 16; a0 but for Q6_K) and the offset
+ * c: the weights are a * q + c */
 static inline __attribute__((always_inline)) void load32(const long id, const uint8_t *b, int sb, __m256 w[4],
-                                                         float *c) {
+                                                         float *a0, float *a1, float *c) {
     const __m256i low4 = _mm256_set1_epi8(15);
     if (id == 2 || id == 3 || id == 6 || id == 7) {
         const uint8_t *qs = b + (id == 2 ? 2 : id == 6 ? 6 : id == 3 ? 4 : 8);
@@ -156,17 +154,20 @@ static inline __attribute__((always_inline)) void load32(const long id, const ui
             memcpy(&qh, b + (id == 6 ? 2 : 4), 4);
             codes = _mm256_or_si256(codes, bits16(qh));
         }
-        float a = h2f(b);
+        *a0 = *a1 = h2f(b);
         *c = (id == 3 || id == 7) ? h2f(b + 2) : 0.0f;
-        regs32(codes, 0, id == 2 ? -8.0f : id == 6 ? -16.0f : 0.0f, a, a, w);
+        if (id == 2 || id == 6) /* symmetric: code - 8 (- 16), in the bytes */
+            codes32(_mm256_sub_epi8(codes, _mm256_set1_epi8(id == 2 ? 8 : 16)), 1, w);
+        else
+            codes32(codes, 0, w);
     } else if (id == 8) {
-        float a = h2f(b);
+        *a0 = *a1 = h2f(b);
         *c = 0.0f;
-        regs32(_mm256_loadu_si256((const __m256i *)(b + 2)), 1, 0.0f, a, a, w);
+        codes32(_mm256_loadu_si256((const __m256i *)(b + 2)), 1, w);
     } else if (id == 12 || id == 13) {
         int scale, min;
         scale_min_k4(sb, b + 4, &scale, &min);
-        float a = h2f(b) * (float)scale;
+        *a0 = *a1 = h2f(b) * (float)scale;
         *c = -(h2f(b + 2) * (float)min);
         __m256i v = _mm256_loadu_si256((const __m256i *)(b + (id == 12 ? 16 : 48) + 32 * (sb / 2)));
         if (sb & 1) v = _mm256_srli_epi16(v, 4);
@@ -175,7 +176,7 @@ static inline __attribute__((always_inline)) void load32(const long id, const ui
             __m256i h = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(b + 16)), _mm_cvtsi32_si128(sb));
             v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(1)), 4));
         }
-        regs32(v, 0, 0.0f, a, a, w);
+        codes32(v, 0, w);
     } else { /* Q6_K: sb = 4 h + i */
         int h = sb / 4, i = sb % 4;
         const uint8_t *ql = b + 64 * h + 32 * (i & 1), *qh = b + 128 + 32 * h;
@@ -188,7 +189,8 @@ static inline __attribute__((always_inline)) void load32(const long id, const ui
         __m256i v = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l, low4), _mm256_slli_epi16(hi, 4)),
                                     _mm256_set1_epi8(32));
         *c = 0.0f;
-        regs32(v, 1, 0.0f, d * (float)sc[2 * sb], d * (float)sc[2 * sb + 1], w);
+        *a0 = d * (float)sc[2 * sb], *a1 = d * (float)sc[2 * sb + 1];
+        codes32(v, 1, w);
     }
 }
 
@@ -198,29 +200,33 @@ static inline __attribute__((always_inline)) void fused_tile(const long id, cons
                                                              const uint8_t *row, long K, const float *x, long sx,
                                                              const float *xs, long m0, const int MB, float *y,
                                                              long sy, long n) {
-    const int A = MB <= 2 ? 4 : 2; /* accumulators a row: chains enough to hide the FMAs' latency */
-    __m256 acc[4][4];
+    __m256 acc[4][2]; /* [1]: Q6_K's second scale's sums */
     float off[4] = {0};
     const int offsets = id == 3 || id == 7 || id == 12 || id == 13;
-    for (int b = 0; b < MB; b++)
-        for (int i = 0; i < A; i++) acc[b][i] = _mm256_setzero_ps();
+    for (int b = 0; b < MB; b++) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
     for (long k = 0; k < K; k += 32) {
         __m256 w[4];
-        float c;
-        load32(id, row + (k / QK) * BYTES, (int)((k % QK) / 32), w, &c);
-        if (QK == 32) _mm_prefetch((const char *)row + (k / QK) * BYTES + QM_AHEAD, _MM_HINT_T0);
-        else if (k % QK == 0) _mm_prefetch((const char *)row + (k / QK) * BYTES + QM_AHEAD, _MM_HINT_T0);
-        for (int b = 0; b < MB; b++) {
+        float a0, a1, c;
+        load32(id, row + (k / QK) * BYTES, (int)((k % QK) / 32), w, &a0, &a1, &c);
+        if (QK == 32 || k % QK == 0) _mm_prefetch((const char *)row + (k / QK) * BYTES + QM_AHEAD, _MM_HINT_T0);
+        __m256 s0 = _mm256_set1_ps(a0), s1 = _mm256_set1_ps(a1);
+        for (int b = 0; b < MB; b++) { /* a0 * (q . x) over the block (Q6_K: a0 and a1 over its halves) */
             const float *xr = x + (m0 + b) * sx + k;
-            for (int i = 0; i < 4; i++) acc[b][i % A] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), acc[b][i % A]);
+            __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+            p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), p);
+            if (id == 14) {
+                __m256 p1 = _mm256_mul_ps(w[2], _mm256_loadu_ps(xr + 16));
+                p1 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), p1);
+                acc[b][1] = _mm256_fmadd_ps(p1, s1, acc[b][1]);
+            } else {
+                p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), p);
+                p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), p);
+            }
+            acc[b][0] = _mm256_fmadd_ps(p, s0, acc[b][0]);
             if (offsets) off[b] = fmaf(c, xs[(m0 + b) * (K / 32) + k / 32], off[b]);
         }
     }
-    for (int b = 0; b < MB; b++) {
-        __m256 t = _mm256_add_ps(acc[b][0], acc[b][1]);
-        if (A == 4) t = _mm256_add_ps(t, _mm256_add_ps(acc[b][2], acc[b][3]));
-        y[(m0 + b) * sy + n] = hsum8(t) + off[b];
-    }
+    for (int b = 0; b < MB; b++) y[(m0 + b) * sy + n] = hsum8(_mm256_add_ps(acc[b][0], acc[b][1])) + off[b];
 }
 
 /* rows n0 .. n1 of one type's segment (data at `data`, rows of `stride` bytes) times up to 4

@@ -263,7 +263,7 @@ class CausalLM(nn.Module):
     def use_cpu_kernels(self, enable: bool = True) -> bool:
         """Run the RMSNorms, RoPE and gated activations of fp32 rows through the fused C kernels
         (:mod:`hybridkv.engine.cpu_ops`) when ``enable`` and the kernels build here; returns whether they do. The loader turns this
-        on for quantized models (their fast path); the exact default keeps torch's ops."""
+        on for quantized models (their fast path); the exact path (`none`) keeps torch's ops."""
         on = bool(enable) and cpu_ops.load() is not None
         for module in self.modules():
             if isinstance(module, CustomOp):  # RMSNorm, RoPE, the gated activation: the choice is made here
