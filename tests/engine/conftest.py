@@ -23,3 +23,17 @@ def tiny_models(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """The C kernels' thread pool at 1 and at 2 threads (set back afterwards)."""
+    from hybridkv.engine import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None:
+        pytest.skip(f"cpu kernels unavailable: {cpu_ops.unavailable()}")
+    before = ops.get_threads()
+    ops.set_threads(request.param)
+    yield request.param
+    ops.set_threads(before)

@@ -47,15 +47,6 @@ def weight_of(parts: list[tuple[str, np.ndarray]], k: int) -> tuple[GGUFWeight, 
     return w, ref
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    ops = cpu_ops.load()
-    before = ops.get_threads()
-    ops.set_threads(request.param)
-    yield request.param
-    ops.set_threads(before)
-
-
 @pytest.mark.parametrize("name", sorted(BLOCK_TYPES))
 def test_rows_equal_ggufs_dequantization_bit_for_bit(name, threads):
     rng = np.random.default_rng(sorted(BLOCK_TYPES).index(name))

@@ -22,15 +22,6 @@ pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason=f"cpu kernels una
 BF16_ROWS = 8
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    ops = cpu_ops.load()
-    before = ops.get_threads()
-    ops.set_threads(request.param)
-    yield request.param
-    ops.set_threads(before)
-
-
 def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).double()
 
