@@ -25,6 +25,7 @@ Where the C kernels cannot be built, gguf's Python dequantizer gives the slices 
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
@@ -61,16 +62,17 @@ def native_available() -> bool:
     return cpu_ops.load() is not None
 
 
-_buffer: list[torch.Tensor] = []
+_buffers = threading.local()
 
 
 def _slice_buffer(numel: int) -> torch.Tensor:
     """A reused fp32 buffer of at least ``numel`` (at most :data:`DENSE_SLICE`) values for the
     slices :meth:`GGUFWeight.linear` dequantizes: fresh memory per slice would fault in its pages
-    each time. One per process (the engine runs one step at a time)."""
-    if not _buffer or _buffer[0].numel() < numel:
-        _buffer[:] = [torch.empty(max(numel, min(DENSE_SLICE, 1 << 20)), dtype=torch.float32)]
-    return _buffer[0][:numel]
+    each time. One per thread (engines stepping in two threads never share one)."""
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _buffers.buf = torch.empty(max(numel, min(DENSE_SLICE, 1 << 20)), dtype=torch.float32)
+    return buf[:numel]
 
 
 class GGUFWeight:
