@@ -4,14 +4,6 @@
  * rowops.c, attention.c, qmatmul.c and decode_stack.c. */
 #include "qmatmul.h"
 
-#define ARGS(name, n)                                                    \
-    if (nargs != n) {                                                    \
-        PyErr_SetString(PyExc_TypeError, #name " takes " #n " arguments"); \
-        return NULL;                                                     \
-    }
-#define PTR(i) PyLong_AsVoidPtr(args[i])
-#define LONG(i) PyLong_AsLong(args[i])
-
 /* rms_norm(x, out, scale, T, H, D, sT, sH, scale_rows, eps) */
 static PyObject *rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(rms_norm, 10)

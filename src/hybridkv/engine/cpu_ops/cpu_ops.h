@@ -33,6 +33,15 @@ static inline float exp_neg(float x) {
     return x < -86.0f ? 0.0f : u.f;
 }
 
+/* the Python functions' argument checks and reads (METH_FASTCALL: args[0 .. nargs)) */
+#define ARGS(name, n)                                                    \
+    if (nargs != n) {                                                    \
+        PyErr_SetString(PyExc_TypeError, #name " takes " #n " arguments"); \
+        return NULL;                                                     \
+    }
+#define PTR(i) PyLong_AsVoidPtr(args[i])
+#define LONG(i) PyLong_AsLong(args[i])
+
 /* rowops.c */
 void rms_rows(const float *x, float *out, const float *scale, long T, long H, long D, long sT, long sH, long rows,
               float eps, long oT);

@@ -91,17 +91,14 @@ static void decode_block(long id, const uint8_t *b, float *q, float *a, float *c
     }
 }
 
-
-
 /* one weight row (K / QK blocks) -> w [K] = a * q (the dequantized weight less its offsets),
  * offsets c [K / L] */
 static void decode_row(const gtype *t, const uint8_t *row, long K, float *w, float *c) {
-    long per = t->qk / t->sub, L = t->sub;
+    long per = t->qk / t->sub;
 #ifdef GG_VEC
     for (long b = 0; b < K / t->qk; b++) gguf_decode_block_vec(t->id, row + b * t->bytes, w + b * t->qk, c + b * per);
-    (void)L;
-    return;
-#endif
+#else
+    long L = t->sub;
     float a[16];
     for (long b = 0; b < K / t->qk; b++) {
         float *wb = w + b * t->qk;
@@ -112,8 +109,8 @@ static void decode_row(const gtype *t, const uint8_t *row, long K, float *w, flo
             for (long i = 0; i < L; i++) ws[i] *= as;
         }
     }
+#endif
 }
-
 
 /* row n's type and bytes */
 static const uint8_t *row_at(const gjob *j, long n, const gtype **t) {
@@ -135,13 +132,6 @@ static const uint8_t *row_at(const gjob *j, long n, const gtype **t) {
 #define MADD(a, b, c) ((a) * (b) + (c))
 #endif
 
-/* a part's scratch row: w [K] then c [K / 16], 64-byte aligned (the vector build's whole-register
- * stores and loads; a store split in halves would stall the load that follows it) */
-static float *scratch(long K) {
-    size_t bytes = (sizeof(float) * (size_t)(K + K / 16) + 63) / 64 * 64;
-    return aligned_alloc(64, bytes);
-}
-
 static void matmul_part(void *ctx, long p, long P) {
     const gjob *j = ctx;
     long K = j->K, n0 = j->N * p / P, n1 = j->N * (p + 1) / P;
@@ -151,23 +141,20 @@ static void matmul_part(void *ctx, long p, long P) {
         return;
     }
 #endif
-    float *q = scratch(K);
-    if (q == NULL) return; /* y stays as the caller filled it (nan): see gguf_matmul */
-    float *c = q + K;
+    float *q = j->scratch + p * scratch_floats(K), *c = q + K;
     for (long n = n0; n < n1; n++) {
         const gtype *t;
         const uint8_t *row = row_at(j, n, &t);
         decode_row(t, row, K, q, c);
-        long L = t->sub, subs = K / L;
-        int offsets = has_offsets(t);
+        long L = t->sub;
+        int offsets = has_offsets(t->id);
 #ifdef GG_VEC
         gguf_dot_row_vec(j, q, c, L, offsets, n);
-        (void)subs;
 #else
         for (long m = 0; m < j->M; m++) {
             const float *x = j->x + m * j->sx;
             float acc[8] = {0}, off = 0.0f;
-            for (long s = 0; s < subs; s++) {
+            for (long s = 0; s < K / L; s++) {
                 const float *qs = q + s * L, *xv = x + s * L;
                 float part[8] = {0};
                 for (long i = 0; i < L; i += 8)
@@ -180,7 +167,6 @@ static void matmul_part(void *ctx, long p, long P) {
         }
 #endif
     }
-    free(q);
 }
 
 static void rows_part(void *ctx, long p, long P) {
@@ -193,7 +179,7 @@ static void rows_part(void *ctx, long p, long P) {
         float *out = j->y + r * j->sy;
         decode_row(t, row, K, out, c); /* a * q, then + c: gguf's values (+ 0 would turn a -0 into +0) */
         long L = t->sub;
-        if (has_offsets(t))
+        if (has_offsets(t->id))
             for (long sb = 0; sb < K / L; sb++) {
                 float cs = c[sb];
                 for (long i = sb * L; i < (sb + 1) * L; i++) out[i] += cs;
@@ -217,37 +203,43 @@ int gguf_weight_ok(const int64_t *seg, long S, long N, long K) {
 
 int gguf_matmul(const int64_t *seg, long S, long N, long K, const float *x, long sx, long M, float *y, long sy) {
     if (M <= 0 || N <= 0) return 0;
-    float *xs = malloc(sizeof(float) * (size_t)(M * (K / 32) + 1));
-    if (xs == NULL) return -1;
-    for (long m = 0; m < M; m++)
+    long bytes = 0, offsets = 0;
+    for (long s = 0; s < S; s++) bytes += seg[4 * s + 1] * seg[4 * s + 3], offsets |= has_offsets(seg[4 * s]);
+    long parts = qm_parts(bytes), most = N / 4 > 0 ? N / 4 : 1;
+    parts = parts < most ? parts : most;
+    int fused = 0;
+#ifdef GG_VEC
+    fused = M <= FUSED_ROWS;
+#endif
+    /* the sums of x per 32 columns where a segment has offsets; the parts' scratch rows where
+     * they decode a row for all rows of x: allocated before any part runs (64-byte aligned: the
+     * vector build's whole-register loads), so a part never fails */
+    size_t nxs = offsets ? (size_t)(M * (K / 32)) : 0, nscratch = fused ? 0 : (size_t)(parts * scratch_floats(K));
+    float *buf = aligned_alloc(64, sizeof(float) * (nscratch + (nxs + 15) / 16 * 16 + 16));
+    if (buf == NULL) return -1;
+    float *xs = offsets ? buf + nscratch : NULL;
+    for (long m = 0; m < M && xs != NULL; m++)
         for (long g = 0; g < K / 32; g++) {
             float s = 0.0f;
             for (int i = 0; i < 32; i++) s += x[m * sx + 32 * g + i];
             xs[m * (K / 32) + g] = s;
         }
-    for (long m = 0; m < M; m++)
-        for (long n = 0; n < N; n++) y[m * sy + n] = NAN; /* a part that cannot get scratch leaves nan */
-    gjob j = {.seg = seg, .S = S, .N = N, .K = K, .x = x, .sx = sx, .M = M, .xs = xs, .y = y, .sy = sy};
-    long bytes = 0;
-    for (long s = 0; s < S; s++) bytes += seg[4 * s + 1] * seg[4 * s + 3];
-    long parts = qm_parts(bytes), most = N / 4 > 0 ? N / 4 : 1;
-    pool_run(matmul_part, &j, parts < most ? parts : most);
-    free(xs);
+    gjob j = {.seg = seg, .S = S, .N = N, .K = K, .x = x, .sx = sx, .M = M, .xs = xs, .y = y, .sy = sy,
+              .scratch = fused ? NULL : buf};
+    pool_run(matmul_part, &j, parts);
+    free(buf);
     return 0;
 }
 
 /* gguf_linear(x, sx, M, K, seg, S, N, y, sy) */
 PyObject *gguf_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "gguf_linear takes 9 arguments");
-        return NULL;
-    }
-    const float *x = PyLong_AsVoidPtr(args[0]);
-    long sx = PyLong_AsLong(args[1]), M = PyLong_AsLong(args[2]), K = PyLong_AsLong(args[3]);
-    const int64_t *seg = PyLong_AsVoidPtr(args[4]);
-    long S = PyLong_AsLong(args[5]), N = PyLong_AsLong(args[6]);
-    float *y = PyLong_AsVoidPtr(args[7]);
-    long sy = PyLong_AsLong(args[8]);
+    ARGS(gguf_linear, 9)
+    const float *x = PTR(0);
+    long sx = LONG(1), M = LONG(2), K = LONG(3);
+    const int64_t *seg = PTR(4);
+    long S = LONG(5), N = LONG(6);
+    float *y = PTR(7);
+    long sy = LONG(8);
     if (PyErr_Occurred()) return NULL;
     if (M < 0 || sx < K || sy < N || !gguf_weight_ok(seg, S, N, K)) {
         PyErr_SetString(PyExc_ValueError, "gguf_linear: the segments do not fit together (types, K, rows)");
@@ -263,15 +255,12 @@ PyObject *gguf_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 
 /* gguf_rows(seg, S, N, K, ids (0: rows 0..T-1), T, out): rows dequantized, out [T, K] */
 PyObject *gguf_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "gguf_rows takes 7 arguments");
-        return NULL;
-    }
-    const int64_t *seg = PyLong_AsVoidPtr(args[0]);
-    long S = PyLong_AsLong(args[1]), N = PyLong_AsLong(args[2]), K = PyLong_AsLong(args[3]);
-    const int64_t *ids = PyLong_AsVoidPtr(args[4]);
-    long T = PyLong_AsLong(args[5]);
-    float *out = PyLong_AsVoidPtr(args[6]);
+    ARGS(gguf_rows, 7)
+    const int64_t *seg = PTR(0);
+    long S = LONG(1), N = LONG(2), K = LONG(3);
+    const int64_t *ids = PTR(4);
+    long T = LONG(5);
+    float *out = PTR(6);
     if (PyErr_Occurred()) return NULL;
     if (T < 0 || !gguf_weight_ok(seg, S, N, K) || (ids == NULL && T > N)) {
         PyErr_SetString(PyExc_ValueError, "gguf_rows: the segments do not fit together, or more rows than N");

@@ -13,10 +13,14 @@ typedef struct {
     long id, qk, bytes, sub; /* ggml type id, values per block, bytes per block, values per sub-block */
 } gtype;
 
-static const gtype GTYPES[] = {
-    {2, 32, 18, 32}, {3, 32, 20, 32}, {6, 32, 22, 32}, {7, 32, 24, 32},
-    {8, 32, 34, 32}, {12, 256, 144, 32}, {13, 256, 176, 32}, {14, 256, 210, 16},
-};
+/* the types the kernels read, X(id, values per block, bytes per block, values per sub-block):
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (the one table; gguf_blocks_vec.c's dispatch
+ * expands it too) */
+#define GGUF_TYPES(X) \
+    X(2, 32, 18, 32) X(3, 32, 20, 32) X(6, 32, 22, 32) X(7, 32, 24, 32) X(8, 32, 34, 32) \
+    X(12, 256, 144, 32) X(13, 256, 176, 32) X(14, 256, 210, 16)
+#define GTYPE_ROW(id, qk, bytes, sub) {id, qk, bytes, sub},
+static const gtype GTYPES[] = {GGUF_TYPES(GTYPE_ROW)};
 
 static inline const gtype *gguf_type(long id) {
     for (size_t i = 0; i < sizeof GTYPES / sizeof GTYPES[0]; i++)
@@ -24,8 +28,8 @@ static inline const gtype *gguf_type(long id) {
     return NULL;
 }
 
-/* whether the type's sub-blocks have offsets c (else c = 0) */
-static inline int has_offsets(const gtype *t) { return t->id == 3 || t->id == 7 || t->id == 12 || t->id == 13; }
+/* whether type id's sub-blocks have offsets c (else c = 0): Q4_1, Q5_1, Q4_K, Q5_K */
+static inline int has_offsets(long id) { return id == 3 || id == 7 || id == 12 || id == 13; }
 
 #if defined(__F16C__) && !defined(HYBRIDKV_GENERIC)
 #include <immintrin.h>
@@ -57,9 +61,13 @@ typedef struct {
     const float *xs; /* [M, K / 32]: sums of x per 32 columns (NULL: no segment has offsets) */
     float *y;        /* [M, N], rows at + m * sy */
     long sy;
+    float *scratch; /* the scratch-row matmul: per part, a row's w [K] and c [K / 16] (scratch_floats) */
     const int64_t *ids; /* gguf_rows: the rows to dequantize [T] (NULL: rows 0..T-1) */
     long T;
 } gjob;
+
+/* a part's scratch row in floats: w [K] then c [K / 16], a multiple of 16 floats (64 bytes) */
+static inline long scratch_floats(long K) { return (K + K / 16 + 15) / 16 * 16; }
 
 #if (defined(QM_AVX2) || defined(QM_AVX512))
 #define GG_VEC 1

@@ -1,30 +1,11 @@
 /* The vector build's GGUF block kernels (AVX2 + FMA + F16C, also compiled where AVX-512 is): a
- * block's codes widened and converted 8 at a time, scaled, and either stored to a part's scratch
- * row (gguf_decode_block_vec, many rows of x) or multiplied in registers with up to 4 rows of x
- * at a time (gguf_fused_part, few rows: one pass over the weight's bytes per 4 rows). Values and
- * offsets as gguf_blocks.c's scalar decode gives them, bit for bit. */
+ * block's codes widened and converted 8 at a time (load32, the one decode), then either scaled and
+ * stored to a part's scratch row (gguf_decode_block_vec, many rows of x) or multiplied in
+ * registers with up to 4 rows of x at a time (gguf_fused_part, few rows: one pass over the
+ * weight's bytes per 4 rows). Values and offsets as gguf_blocks.c's scalar decode gives them, bit
+ * for bit. */
 #include "gguf_blocks.h"
 #ifdef GG_VEC
-/* 32 code bytes (unsigned, or signed when sgn) -> 32 weights w[0..31] = (code + off) * a */
-static inline void put32(__m256i v, float *q, int sgn, float off, float a) {
-    __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
-    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    __m256 o = _mm256_set1_ps(off), s = _mm256_set1_ps(a);
-    for (int i = 0; i < 4; i++) {
-        __m256i w = sgn ? _mm256_cvtepi8_epi32(parts[i]) : _mm256_cvtepu8_epi32(parts[i]);
-        _mm256_storeu_ps(q + 8 * i, _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(w), o), s));
-    }
-}
-
-/* 32 signed code bytes -> w[0..15] = code * a0, w[16..31] = code * a1 (Q6_K's sub-blocks of 16) */
-static inline void put32_2(__m256i v, float *q, float a0, float a1) {
-    __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
-    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int i = 0; i < 4; i++)
-        _mm256_storeu_ps(q + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])),
-                                                  _mm256_set1_ps(i < 2 ? a0 : a1)));
-}
-
 /* the 32 bits of qh as 32 bytes of 0 / 16 (bit i -> byte i) */
 static inline __m256i bits16(uint32_t qh) {
     const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
@@ -35,101 +16,6 @@ static inline __m256i bits16(uint32_t qh) {
     return _mm256_and_si256(v, _mm256_set1_epi8(16));
 }
 
-/* the vector build's decode_block, the codes scaled: w = a * q (as decode_row makes them), c */
-void gguf_decode_block_vec(long id, const uint8_t *b, float *q, float *c) {
-    float a[16];
-    const __m256i low4 = _mm256_set1_epi8(15);
-    switch (id) {
-    case 2: case 3: case 6: case 7: {
-        int five = id == 6 || id == 7;
-        const uint8_t *qs = b + (id == 2 ? 2 : id == 6 ? 6 : id == 3 ? 4 : 8);
-        __m128i v = _mm_loadu_si128((const __m128i *)qs);
-        __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
-        if (five) {
-            const uint8_t *hb = b + (id == 6 ? 2 : 4);
-            codes = _mm256_or_si256(codes, bits16((uint32_t)hb[0] | (uint32_t)hb[1] << 8 | (uint32_t)hb[2] << 16
-                                                  | (uint32_t)hb[3] << 24));
-        }
-        a[0] = h2f(b), c[0] = (id == 3 || id == 7) ? h2f(b + 2) : 0.0f;
-        put32(codes, q, 0, id == 2 ? -8.0f : id == 6 ? -16.0f : 0.0f, a[0]);
-        return;
-    }
-    case 8:
-        a[0] = h2f(b), c[0] = 0.0f;
-        put32(_mm256_loadu_si256((const __m256i *)(b + 2)), q, 1, 0.0f, a[0]);
-        return;
-    case 12: case 13: {
-        float d = h2f(b), dmin = h2f(b + 2);
-        const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + (id == 12 ? 16 : 48);
-        __m256i hv = id == 13 ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
-        const __m256i one = _mm256_set1_epi8(1);
-        for (int s = 0; s < 8; s++) {
-            int scale, min;
-            scale_min_k4(s, sc, &scale, &min);
-            a[s] = d * (float)scale, c[s] = -(dmin * (float)min);
-            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (s / 2)));
-            if (s & 1) v = _mm256_srli_epi16(v, 4);
-            v = _mm256_and_si256(v, low4);
-            if (id == 13) {
-                __m256i h = _mm256_and_si256(_mm256_srl_epi16(hv, _mm_cvtsi32_si128(s)), one);
-                v = _mm256_or_si256(v, _mm256_slli_epi16(h, 4));
-            }
-            put32(v, q + 32 * s, 0, 0.0f, a[s]);
-        }
-        return;
-    }
-    case 14: {
-        const uint8_t *ql = b, *qh = b + 128;
-        const int8_t *sc = (const int8_t *)(b + 192);
-        float d = h2f(b + 208);
-        for (int s = 0; s < 16; s++) a[s] = d * (float)sc[s], c[s] = 0.0f;
-        const __m256i three = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
-        for (int h = 0; h < 2; h++, ql += 64, qh += 32) {
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            __m256i hv = _mm256_loadu_si256((const __m256i *)qh);
-            __m256i parts[4] = {
-                _mm256_and_si256(l0, low4), _mm256_and_si256(l1, low4),
-                _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4)};
-            for (int i = 0; i < 4; i++) {
-                __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hv, _mm_cvtsi32_si128(2 * i)), three);
-                __m256i v = _mm256_sub_epi8(_mm256_or_si256(parts[i], _mm256_slli_epi16(hi, 4)), m32);
-                put32_2(v, q + 128 * h + 32 * i, a[8 * h + 2 * i], a[8 * h + 2 * i + 1]);
-            }
-        }
-        return;
-    }
-    }
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-/* rows m0 .. m0 + MB of x times the decoded row (w = a * q, offsets c): y[m, n]; A accumulators
- * a row (independent chains: the FMAs' latency hidden) */
-static inline __attribute__((always_inline)) void dot_tile(const float *w, const float *c, long L, long K,
-                                                           int offsets, const float *x, long sx, const float *xs,
-                                                           long m0, const int MB, float *y, long sy, long n) {
-    const int A = MB == 1 ? 4 : 2;
-    __m256 acc[4][4];
-    for (int b = 0; b < MB; b++)
-        for (int i = 0; i < A; i++) acc[b][i] = _mm256_setzero_ps();
-    for (long k = 0; k < K; k += 8 * A)
-        for (int i = 0; i < A; i++) {
-            __m256 wv = _mm256_load_ps(w + k + 8 * i);
-            for (int b = 0; b < MB; b++)
-                acc[b][i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (m0 + b) * sx + k + 8 * i), acc[b][i]);
-        }
-    for (int b = 0; b < MB; b++) {
-        float off = 0.0f;
-        for (long s = 0; offsets && s < K / L; s++) off = fmaf(c[s], xs[(m0 + b) * (K / 32) + s], off);
-        __m256 t = A == 4 ? _mm256_add_ps(_mm256_add_ps(acc[b][0], acc[b][1]), _mm256_add_ps(acc[b][2], acc[b][3]))
-                          : _mm256_add_ps(acc[b][0], acc[b][1]);
-        y[(m0 + b) * sy + n] = hsum8(t) + off;
-    }
-}
 /* 32 code bytes -> 4 registers of 8 floats, unscaled (signed codes: their offset already taken
  * off in the bytes) */
 static inline __attribute__((always_inline)) void codes32(__m256i v, int sgn, __m256 w[4]) {
@@ -194,6 +80,56 @@ static inline __attribute__((always_inline)) void load32(const long id, const ui
     }
 }
 
+/* block b of type id (a constant after inlining) -> w = a * q [QK], offsets c [QK / L]: load32's
+ * codes and scales, multiplied and stored (the values gguf_blocks.c's scalar decode gives) */
+static inline __attribute__((always_inline)) void decode_block(const long id, const long QK, const uint8_t *b,
+                                                               float *q, float *c) {
+    for (int sb = 0; sb < QK / 32; sb++) {
+        __m256 w[4];
+        float a0, a1, cs;
+        load32(id, b, sb, w, &a0, &a1, &cs);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(q + 32 * sb + 8 * i, _mm256_mul_ps(w[i], _mm256_set1_ps(i < 2 ? a0 : a1)));
+        if (id == 14) /* sub-blocks of 16: no offsets */
+            c[2 * sb] = c[2 * sb + 1] = 0.0f;
+        else
+            c[sb] = cs;
+    }
+}
+
+#define DECODE_CASE(id, qk, bytes, sub) case id: decode_block(id, qk, b, q, c); return;
+void gguf_decode_block_vec(long id, const uint8_t *b, float *q, float *c) {
+    switch (id) { GGUF_TYPES(DECODE_CASE) }
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* rows m0 .. m0 + MB of x times the decoded row (w = a * q, offsets c): y[m, n]; A accumulators
+ * a row (independent chains: the FMAs' latency hidden) */
+static inline __attribute__((always_inline)) void dot_tile(const float *w, const float *c, long L, long K,
+                                                           int offsets, const float *x, long sx, const float *xs,
+                                                           long m0, const int MB, float *y, long sy, long n) {
+    const int A = MB == 1 ? 4 : 2;
+    __m256 acc[4][4];
+    for (int b = 0; b < MB; b++)
+        for (int i = 0; i < A; i++) acc[b][i] = _mm256_setzero_ps();
+    for (long k = 0; k < K; k += 8 * A)
+        for (int i = 0; i < A; i++) {
+            __m256 wv = _mm256_load_ps(w + k + 8 * i);
+            for (int b = 0; b < MB; b++)
+                acc[b][i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (m0 + b) * sx + k + 8 * i), acc[b][i]);
+        }
+    for (int b = 0; b < MB; b++) {
+        float off = 0.0f;
+        for (long s = 0; offsets && s < K / L; s++) off = fmaf(c[s], xs[(m0 + b) * (K / 32) + s], off);
+        __m256 t = A == 4 ? _mm256_add_ps(_mm256_add_ps(acc[b][0], acc[b][1]), _mm256_add_ps(acc[b][2], acc[b][3]))
+                          : _mm256_add_ps(acc[b][0], acc[b][1]);
+        y[(m0 + b) * sy + n] = hsum8(t) + off;
+    }
+}
 /* rows m0 .. m0 + MB of x times weight row `row` of type id (constants after inlining),
  * decoded in registers: y[m, n] */
 static inline __attribute__((always_inline)) void fused_tile(const long id, const long QK, const long BYTES,
@@ -202,7 +138,7 @@ static inline __attribute__((always_inline)) void fused_tile(const long id, cons
                                                              long sy, long n) {
     __m256 acc[4][2]; /* [1]: Q6_K's second scale's sums */
     float off[4] = {0};
-    const int offsets = id == 3 || id == 7 || id == 12 || id == 13;
+    const int offsets = has_offsets(id);
     for (int b = 0; b < MB; b++) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
     for (long k = 0; k < K; k += 32) {
         __m256 w[4];
@@ -246,6 +182,7 @@ static inline __attribute__((always_inline)) void fused_rows(const long id, cons
     }
 }
 
+#define FUSED_CASE(id, qk, bytes, sub) case id: fused_rows(id, qk, bytes, j, data, e[3], r0, r1, base); break;
 /* the fused path of a part: each segment's share of rows [n0, n1) */
 void gguf_fused_part(const gjob *j, long n0, long n1) {
     long base = 0;
@@ -253,16 +190,7 @@ void gguf_fused_part(const gjob *j, long n0, long n1) {
         const int64_t *e = j->seg + 4 * s;
         long r0 = n0 - base > 0 ? n0 - base : 0, r1 = n1 - base < e[1] ? n1 - base : e[1];
         const uint8_t *data = (const uint8_t *)(intptr_t)e[2];
-        if (r0 < r1) switch (e[0]) {
-            case 2: fused_rows(2, 32, 18, j, data, e[3], r0, r1, base); break;
-            case 3: fused_rows(3, 32, 20, j, data, e[3], r0, r1, base); break;
-            case 6: fused_rows(6, 32, 22, j, data, e[3], r0, r1, base); break;
-            case 7: fused_rows(7, 32, 24, j, data, e[3], r0, r1, base); break;
-            case 8: fused_rows(8, 32, 34, j, data, e[3], r0, r1, base); break;
-            case 12: fused_rows(12, 256, 144, j, data, e[3], r0, r1, base); break;
-            case 13: fused_rows(13, 256, 176, j, data, e[3], r0, r1, base); break;
-            case 14: fused_rows(14, 256, 210, j, data, e[3], r0, r1, base); break;
-            }
+        if (r0 < r1) switch (e[0]) { GGUF_TYPES(FUSED_CASE) }
         base += e[1];
     }
 }
