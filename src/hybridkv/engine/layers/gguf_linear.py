@@ -29,16 +29,17 @@ import threading
 from typing import Sequence
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from hybridkv.engine import cpu_ops
 
-__all__ = ["BLOCK_TYPES", "DENSE_SLICE", "KERNEL_ROWS", "GGUFWeight", "block_type", "native_available"]
+__all__ = ["BLOCK_TYPES", "DENSE_SLICE", "NATIVE_TYPES", "KERNEL_ROWS", "GGUFWeight", "block_type", "native_available"]
 
-#: ggml type name -> (type id, values per block, bytes per block): the types the kernels read
-BLOCK_TYPES = {
-    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
-    "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
-}
+#: the types the kernels read (gguf_blocks.h's GGUF_TYPES), by ggml name
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+#: ggml type name -> (type id, values per block, bytes per block), from gguf's own table
+BLOCK_TYPES = {name: (int(GGMLQuantizationType[name]), *GGML_QUANT_SIZES[GGMLQuantizationType[name]])
+               for name in NATIVE_TYPES}
 _BY_ID = {v[0]: (name, *v[1:]) for name, v in BLOCK_TYPES.items()}
 #: inputs of up to this many rows run in the kernels (as the int8 / int4 weights)
 KERNEL_ROWS = 32
@@ -94,7 +95,7 @@ class GGUFWeight:
                 raise ValueError(f"a {_BY_ID[type_id][0]} part of rows of {k} must be uint8 [rows, {k // qk * nbytes}] "
                                  f"contiguous on the CPU, got {tuple(data.shape)} {data.dtype}")
             table.append((type_id, data.shape[0], data.data_ptr(), data.shape[1]))
-        self.parts = [(t, d) for t, d in parts]
+        self.parts = list(parts)
         self.segments = torch.tensor(table, dtype=torch.int64)  # [S, 4]: type, rows, address, row bytes
         self.shape = (sum(d.shape[0] for _, d in parts), k)
 

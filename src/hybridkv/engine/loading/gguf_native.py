@@ -83,28 +83,6 @@ def _set_param(model, name: str, tensor: torch.Tensor) -> None:
     setattr(module, attr, param)
 
 
-def _fuse(model, chosen: list[tuple[torch.nn.Module, str, list[str]]], dtypes: dict[str, torch.dtype]) -> None:
-    """Fuse q / k / v and gate / up as :meth:`~hybridkv.engine.models.base.CausalLM.fuse_weights`
-    does, but a native slot's module only marks its linears fused and holds an empty matrix (its
-    rows are the blocks; the parts' biases joined as ``fuse_linears`` joins them)."""
-    native = {id(m): (attr, names) for m, attr, names in chosen if attr != "packed"}
-    for module in model.modules():
-        if module is model or not callable(getattr(module, "fuse", None)):
-            continue
-        if id(module) not in native:
-            module.fuse()
-            continue
-        attr, names = native[id(module)]
-        linears = [getattr(module, n) for n in module.quant_parts()[attr]]
-        for lin in linears:
-            lin.fused = True
-        prefix = attr.removesuffix("_packed")
-        setattr(module, f"{prefix}_weight", torch.empty(0, dtype=dtypes[names[0]]))
-        if any(lin.bias is not None for lin in linears):
-            setattr(module, f"{prefix}_bias", torch.cat([
-                lin.weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias.detach() for lin in linears]))
-
-
 def load_native(model, path, config: Mapping[str, Any], label: str, tied: dict[str, str], rename=None) -> int:
     """Fill the freshly built (unfused) ``model`` from GGUF file ``path``: native slots and
     embedding as :class:`GGUFWeight`, the rest dequantized; fuse; mark the model
@@ -125,11 +103,11 @@ def load_native(model, path, config: Mapping[str, Any], label: str, tied: dict[s
         native[EMBEDDING] = embed
     params = model.state_dict(keep_vars=True)
     dtypes = {name: params[name].dtype for name in native}
-    for name in native:  # no memory for what stays in blocks
+    for name in native:  # no memory for what stays in blocks (fusing then joins empty matrices)
         _set_param(model, name, torch.empty(0, dtype=dtypes[name]))
     tensors = progress(gguf_tensors(gguf, config, skip=frozenset(native)), f"loading {label}")
     load_weights(model, tensors, label=str(path), tied=tied, rename=rename, provided=frozenset(native))
-    _fuse(model, chosen, dtypes)
+    model.fuse_weights()
     weights = {name: _weight(gguf, info, config) for name, info in native.items()}
     for m, attr, names in chosen:
         parts = [weights[n] for n in names]
