@@ -113,28 +113,16 @@ def test_more_rows_than_the_kernels_take_run_on_slices(monkeypatch):
 
 def test_prefill_slices_in_two_threads_at_once(monkeypatch):
     """Engines stepping in two threads: each thread's slices decode into its own buffer."""
-    import threading
-
     import hybridkv.engine.layers.gguf_linear as gl
+    from tests.support.threads import disagreeing_calls
 
     rng = np.random.default_rng(5)
     monkeypatch.setattr(gl, "DENSE_SLICE", 64 * 5)
-    ws = [weight_of([(name, random_blocks(rng, name, 23, 64, extreme=False))], 64) for name in ("Q8_0", "Q4_1")]
+    ws = [weight_of([(name, random_blocks(rng, name, 23, 64, extreme=False))], 64)[0] for name in ("Q8_0", "Q4_1")]
     xs = [torch.randn(KERNEL_ROWS + 3, 64) for _ in ws]
-    want = [gl.GGUFWeight.linear(w, x, None) for (w, _), x in zip(ws, xs)]
-    errors = []
-
-    def work(i):
-        for _ in range(40):
-            if not torch.equal(ws[i][0].linear(xs[i], None), want[i]):
-                errors.append(i)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors and not any(t.is_alive() for t in threads)
+    want = [w.linear(x, None) for w, x in zip(ws, xs)]
+    calls = [lambda w=w, x=x: w.linear(x, None) for w, x in zip(ws, xs)]
+    assert disagreeing_calls(calls, want, rounds=40) == []
 
 
 def test_what_does_not_fit_is_refused():

@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
+
+from tests.support.threads import disagreeing_calls
 
 from hybridkv.engine import cpu_ops
 from hybridkv.engine.layers.quantized_linear import KERNEL_ROWS, Int4Weight, Int8Weight
@@ -138,19 +139,8 @@ def test_concurrent_callers_get_their_own_results():
         weights = [Int8Weight(torch.randn(300, 96, generator=g), torch.float32) for _ in range(3)]
         inputs = [torch.randn(5, 96, generator=g) for _ in range(3)]
         want = [cpu_ops.q8_linear(x, w.q, w.scales32) for x, w in zip(inputs, weights)]
-        errors = []
-
-        def work(i: int) -> None:
-            for _ in range(60):
-                if not torch.equal(cpu_ops.q8_linear(inputs[i], weights[i].q, weights[i].scales32), want[i]):
-                    errors.append(i)
-
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert not any(t.is_alive() for t in threads) and not errors
+        calls = [lambda x=x, w=w: cpu_ops.q8_linear(x, w.q, w.scales32) for x, w in zip(inputs, weights)]
+        assert disagreeing_calls(calls, want, rounds=60, timeout=60) == []
     finally:
         ops.set_threads(before)
 
