@@ -44,6 +44,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 import tempfile
 import threading
@@ -155,8 +156,6 @@ def _compile(cc: str, flags: tuple[str, ...], include: str, out: Path) -> None:
     """Compile :data:`SOURCES` into the module ``out``: each C file to an object on its own core
     (as many at once as the process may use), then one link; RuntimeError naming the compiler's
     last line when a step fails. Says on stderr that it builds (a one-time wait of seconds)."""
-    import sys
-
     sources = [p for p in SOURCES if p.suffix == ".c"]
     print(f"hybridkv: building the CPU kernels once for this machine ({len(sources)} C files, {cc})",
           file=sys.stderr, flush=True)
