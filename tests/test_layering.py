@@ -32,8 +32,10 @@ ALLOWED: dict[str, set[str]] = {
     "router": {"core", "errors", "protocol", "tokenizer", "__init__"},  # __init__: __version__
     "server": {"engine", "engine_config", "core", "planner", "scheduler", "checkpoint", "tokenizer", "errors", "sampling_params",
                "structured_outputs", "protocol", "__init__"},
+    # hybridkv inside other serving systems (Ray Serve): over the server's app and the router's index
+    "integrations": {"server", "router", "engine_config", "errors"},
     "cli": {"engine", "engine_config", "core", "planner", "scheduler", "checkpoint", "tokenizer", "errors", "sampling_params",
-            "structured_outputs", "protocol", "server", "router", "__init__"},
+            "structured_outputs", "protocol", "server", "router", "integrations", "__init__"},
     "__init__": {"core", "planner", "errors"},
     "__main__": {"cli"},
 }

@@ -262,6 +262,13 @@ CASES = [
      "argument --request-timeout: expected a finite number > 0, got 'inf'"),
     ("route max-connections 0", ["route", "--replica", "http://127.0.0.1:9", "--max-connections", "0"],
      "argument --max-connections: expected an integer >= 1, got '0'"),
+    ("serve allowed-origins not JSON", ["serve", "{M}", "--allowed-origins", "*"],
+     "argument --allowed-origins: expected a JSON list of origins"),
+    ("serve allowed-origins not strings", ["serve", "{M}", "--allowed-origins", '["a", 1]'],
+     "argument --allowed-origins: expected a JSON list of origins"),
+    ("serve kv-events-hash", ["serve", "{M}", "--kv-events-hash", "hex"], "argument --kv-events-hash: invalid choice"),
+    ("ray-serve replicas 0", ["ray-serve", "{M}", "--replicas", "0"], "argument --replicas"),
+    ("ray-serve oracle policy", ["ray-serve", "{M}", "--policy", "oracle"], "argument --policy: invalid choice: 'oracle'"),
     ("missing value", ["plan", "mistral-7b", "--memory"], "argument --memory: expected one argument"),
     ("unknown option", ["plan", "mistral-7b", "--bogus"], "hybridkv plan: error: unrecognized arguments: --bogus"),
     ("unknown command", ["bogus"], "invalid choice: 'bogus'"),
@@ -411,6 +418,8 @@ def test_random_simulate_options_are_a_run_or_one_line(picks, model, capsys):
      "hybridkv generate: error: generate needs numpy, which is not installed: pip install 'hybridkv[engine]'"),
     ("gguf", ["serve", "{M}"],
      "hybridkv serve: error: serve needs gguf, which is not installed: pip install 'hybridkv[engine]'"),
+    ("ray", ["ray-serve", "{M}"],
+     "hybridkv ray-serve: error: ray-serve needs Ray Serve, which is not installed: pip install 'hybridkv[ray]'"),
 ])
 def test_a_missing_extra_is_one_line(module, argv, line, tiny_llama, monkeypatch, capsys):
     """A command whose extra is not installed names the extra, in one line, exit 2."""

@@ -54,9 +54,10 @@ from tests.support.tiers import examples, slow_except  # noqa: E402
 DATA = Path(__file__).parents[1] / "server" / "data"
 
 
-def int_hash(h: bytes) -> int:
+def int_hash(h: bytes | int) -> int:
     """A replica's other hash of the same block: 64 bits, as vLLM's int block hashes."""
-    return int.from_bytes(hashlib.blake2b(h, digest_size=8).digest(), "big")
+    data = h if isinstance(h, bytes) else h.to_bytes(8, "big")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
 def rehashed(events: list) -> list:
@@ -72,8 +73,9 @@ def rehashed(events: list) -> list:
     return out
 
 
-def over_the_wire(core_events: list) -> list:
-    return decode_batch(encode_batch(to_batch(core_events))).events
+def over_the_wire(core_events: list, hash_form: str = "bytes") -> list:
+    """Core events as a subscriber decodes them, hashes whole (``"bytes"``) or folded to vLLM's 64-bit ints."""
+    return decode_batch(encode_batch(to_batch(core_events, hash_form=hash_form))).events
 
 
 def engine_hit(kv: KVCacheManager, tokens: list[int], max_length: int | None = None) -> int:
@@ -101,9 +103,9 @@ class IndexOracle:
 
     @invariant()
     def index_scores_the_replicas_own_hit(self):
-        events = over_the_wire(self.kv.take_events())
-        self.index.apply(events)
-        self.other.apply(rehashed(events))
+        core_events = self.kv.take_events()
+        self.index.apply(over_the_wire(core_events))
+        self.other.apply(over_the_wire(core_events, "int"))  # what serve publishes by default
         for index in (self.index, self.other):
             assert index.num_bad_events == 0
             assert index.num_blocks == num_cached(self.kv)
@@ -198,10 +200,11 @@ def test_tiny_engine_events_index_its_hits(tmp_path, model, kinds, num_blocks):
             prompts.append(prompt)
             engine.add_request(prompt, SamplingParams(max_tokens=rng.randrange(1, 8)))
         engine.step()
-        events = over_the_wire(kv.take_events())
+        core_events = kv.take_events()
+        events = over_the_wire(core_events)
         removed += sum(isinstance(e, BlockRemoved) for e in events)
         index.apply(events)
-        other.apply(rehashed(events))
+        other.apply(rehashed(over_the_wire(core_events, "int")))  # vLLM's folded ints, hashed again
         assert index.num_bad_events == other.num_bad_events == 0
         assert index.num_blocks == num_cached(kv)
         for probe in rng.sample(prompts, min(6, len(prompts))) + [s + [7, 8, 9] for s in systems]:

@@ -36,6 +36,7 @@ from hybridkv.server.kv_events import (  # noqa: E402
     to_batch,
     to_wire,
 )
+from hybridkv.protocol.kv_events import HASH_FORMS, fold_hash  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
@@ -75,7 +76,7 @@ def test_core_events_map_to_the_golden_step():
         core.AllBlocksCleared(),
     ]
     ts = FIXTURE.BATCHES["hybridkv_step"][0]
-    assert encode_batch(to_batch(step, ts)) == (DATA / "vllm_hybridkv_step.bin").read_bytes()
+    assert encode_batch(to_batch(step, ts, hash_form="bytes")) == (DATA / "vllm_hybridkv_step.bin").read_bytes()
 
 
 # ------------------------------------------------------------------ round trips
@@ -124,20 +125,38 @@ core_stored = st.integers(1, 4).flatmap(lambda n: st.builds(
 core_removed = st.builds(core.BlockRemoved, core_hash, st.integers(1, 99), st.integers(0, 5), st.just("sliding_window"))
 
 
+def _vllm_fold(digest: bytes) -> int:
+    """vLLM 0.34's ``maybe_convert_block_hash`` (kv_cache_utils.py), restated: the digest as a
+    big-endian int, low 64 bits."""
+    return int.from_bytes(digest, byteorder="big") & ((1 << 64) - 1)
+
+
 @settings(max_examples=examples(200), deadline=None)
-@given(st.lists(core_stored | core_removed | st.just(core.AllBlocksCleared()), max_size=6))
-def test_core_events_survive_the_wire(events):
-    got = decode_batch(encode_batch(to_batch(events, ts=1.0))).events
+@given(st.lists(core_stored | core_removed | st.just(core.AllBlocksCleared()), max_size=6),
+       st.sampled_from(HASH_FORMS))
+def test_core_events_survive_the_wire(events, hash_form):
+    got = decode_batch(encode_batch(to_batch(events, ts=1.0, hash_form=hash_form))).events
+    h = _vllm_fold if hash_form == "int" else bytes
     assert len(got) == len(events)
     for e, w in zip(events, got):
-        assert w == to_wire(e)
+        assert w == to_wire(e, hash_form=hash_form)
         if isinstance(e, core.BlockStored):
+            parent = None if e.parent_hash is None else h(e.parent_hash)
             assert (w.block_hashes, w.parent_block_hash, w.token_ids, w.group_idx) == (
-                list(e.block_hashes), e.parent_hash, list(e.token_ids), e.group_id)
+                [h(x) for x in e.block_hashes], parent, list(e.token_ids), e.group_id)
+            assert all(type(x) is (int if hash_form == "int" else bytes) for x in w.block_hashes)
+            assert hash_form == "bytes" or all(0 <= x < 2**64 for x in w.block_hashes)
             assert w.kv_cache_spec_kind == (e.spec_kind if e.spec_kind != "odd" else "unknown")
             assert w.kv_cache_spec_sliding_window == e.attention_span
         elif isinstance(e, core.BlockRemoved):
-            assert (w.block_hashes, w.group_idx) == ([e.block_hash], e.group_id)
+            assert (w.block_hashes, w.group_idx) == ([h(e.block_hash)], e.group_id)
+
+
+def test_fold_is_vllms_on_edge_digests():
+    for digest in (bytes(32), b"\xff" * 32, bytes(range(32)), b"\x01" + bytes(31), bytes(31) + b"\x01", b"\x80" * 8):
+        assert fold_hash(digest) == _vllm_fold(digest) == int.from_bytes(digest[-8:], "big")
+    with pytest.raises(ValueError):
+        to_wire(core.AllBlocksCleared(), hash_form="hex")
 
 
 # ------------------------------------------------------------------ publisher
@@ -279,7 +298,7 @@ def test_subscriber_sees_every_stored_block_of_a_request(tmp_path, ctx):
         msgspec.to_builtins(to_wire(e)) for events in sent for e in events]
 
     tokens = list(outputs[0].prompt_token_ids + outputs[0].output_token_ids)
-    expected = engine.kv.make_request("check", tokens).block_hashes
+    expected = [fold_hash(h) for h in engine.kv.make_request("check", tokens).block_hashes]  # the default form
     n_full = (len(tokens) - 1) // 4  # the last sampled token is never computed
     by_group: dict[int, list] = {}
     for e in received:

@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "generate": "hybridkv.cli.generate",
     "serve": "hybridkv.cli.serve",
     "route": "hybridkv.cli.route",
+    "ray-serve": "hybridkv.cli.ray_serve",
 }
 
 EXIT_USAGE = 2

@@ -28,9 +28,27 @@ __all__ = ["add_parser", "run"]
 PREFIX = "hybridkv route"
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_policy_options(p: argparse.ArgumentParser, policies: list[str]) -> None:
+    """``--policy`` (one of ``policies``), ``--max-imbalance``, ``--max-share-ratio``, ``--share-window``:
+    how a replica is picked, for ``route`` and ``ray-serve`` alike."""
     from hybridkv.router.balance import DEFAULT_MAX_SHARE_RATIO, DEFAULT_SHARE_WINDOW
     from hybridkv.router.policy import DEFAULT_MAX_IMBALANCE, PolicyName
+
+    p.add_argument("--policy", choices=policies, default=PolicyName.HYBRID.value,
+                   help="how to pick a replica (default hybrid)")
+    p.add_argument("--max-imbalance", type=int_range(0), default=DEFAULT_MAX_IMBALANCE,
+                   help="a hit may send at most this many more in-flight requests to a replica than to the least "
+                        f"loaded (default {DEFAULT_MAX_IMBALANCE})")
+    p.add_argument("--max-share-ratio", type=finite_float(0.0), default=DEFAULT_MAX_SHARE_RATIO,
+                   help="balance: a replica whose share of the last --share-window decisions exceeds this multiple of "
+                        f"the least-served replica's is passed over for hits; 0: no such rule (default "
+                        f"{DEFAULT_MAX_SHARE_RATIO:g})")
+    p.add_argument("--share-window", type=int_range(1), default=DEFAULT_SHARE_WINDOW,
+                   help=f"about how many recent decisions the shares count (default {DEFAULT_SHARE_WINDOW})")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from hybridkv.router.policy import PolicyName
 
     p = subparsers.add_parser("route", help="route OpenAI requests across replicas by their KV cache",
                               description="A KV-cache-aware OpenAI-compatible proxy over hybridkv serve (or "
@@ -42,17 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="the replicas' model, for its tokenizer (default: none: hits are not predicted for text)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int_range(0, 65535), default=8000, help="port; 0 picks a free one (default 8000)")
-    p.add_argument("--policy", choices=[x.value for x in PolicyName], default=PolicyName.HYBRID.value,
-                   help="how to pick a replica (default hybrid)")
-    p.add_argument("--max-imbalance", type=int_range(0), default=DEFAULT_MAX_IMBALANCE,
-                   help="a hit may send at most this many more in-flight requests to a replica than to the least "
-                        f"loaded (default {DEFAULT_MAX_IMBALANCE})")
-    p.add_argument("--max-share-ratio", type=finite_float(0.0), default=DEFAULT_MAX_SHARE_RATIO,
-                   help="balance: a replica whose share of the last --share-window decisions exceeds this multiple of "
-                        f"the least-served replica's is passed over for hits; 0: no such rule (default "
-                        f"{DEFAULT_MAX_SHARE_RATIO:g})")
-    p.add_argument("--share-window", type=int_range(1), default=DEFAULT_SHARE_WINDOW,
-                   help=f"about how many recent decisions the shares count (default {DEFAULT_SHARE_WINDOW})")
+    add_policy_options(p, [x.value for x in PolicyName])
     p.add_argument("--health-interval", type=finite_float(0.0, low_open=True), default=1.0,
                    help="seconds between replica health probes (default 1)")
     p.add_argument("--events-timeout", type=finite_float(0.0, low_open=True), default=5.0,

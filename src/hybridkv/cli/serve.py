@@ -5,7 +5,8 @@
     hybridkv serve MODEL --kv-events tcp://127.0.0.1:5557 --kv-events-replay tcp://127.0.0.1:5558
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-``/metrics`` (:mod:`hybridkv.server.app`). Once it listens, one line goes to stderr:
+``/metrics``, vLLM's render and router routes (:mod:`hybridkv.server.app`). The app is
+:func:`hybridkv.server.build_app`'s, the one any embedder gets; this module parses flags around it. Once it listens, one line goes to stderr:
 ``hybridkv serve: listening on http://HOST:PORT (model NAME)``. SIGTERM (or Ctrl-C)
 stops admission (503 and ``/health`` 503), then ``--shutdown drain`` lets running
 requests finish for up to ``--drain-timeout`` seconds and aborts the rest, ``--shutdown
@@ -36,12 +37,12 @@ from hybridkv.cli.http_server import (
 from hybridkv.cli.model_dir import resolve_model_source
 from hybridkv.cli.options import finite_float, int_range
 from hybridkv.errors import InvalidArgumentError
+from hybridkv.protocol import HASH_FORMS
 from hybridkv.scheduler.config import ENGINE_MAX_NUM_SEQS
 
 __all__ = ["add_parser", "run"]
 
 PREFIX = "hybridkv serve"
-SWITCH_INTERVAL = 0.0005  # seconds
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -68,7 +69,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="publish KV cache events over ZMQ (vLLM's wire format), e.g. tcp://127.0.0.1:5557 (default: off)")
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
                    help="ZMQ endpoint answering replay requests for missed events (default: none)")
-    p.add_argument("--kv-events-topic", default="", metavar="TOPIC", help="topic of the event messages (default empty)")
+    p.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                   help="topic of the event messages, e.g. llm-d's kv@POD@MODEL (default empty)")
+    p.add_argument("--kv-events-hash", choices=HASH_FORMS, default="int",
+                   help="block hashes on the wire: int (vLLM's default: each hash folded to 64 bits, what Dynamo "
+                        "and vLLM consumers decode) or bytes (the whole digest) (default int)")
+    p.add_argument("--allowed-origins", type=_origins, default=("*",), metavar="JSON",
+                   help='origins browsers may call from (CORS), a JSON list as vLLM\'s, e.g. \'["https://a.example"]\'; '
+                        "'[]' turns CORS off (default [\"*\"])")
     p.add_argument("--queued-prefix", choices=("refresh", "pin", "none"), default="refresh",
                    help="keep the cached prefix a queued request will hit until it runs: refresh (mark it used "
                         "on arrival and at every step while it waits), pin (hold it; released first when the pool "
@@ -81,6 +89,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_engine_options(p, max_num_seqs_default=str(ENGINE_MAX_NUM_SEQS))
     p.set_defaults(func=run)
     return p
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """``--allowed-origins``: a JSON list of non-empty strings."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(o, str) and o for o in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of origins such as \'["*"]\', got {text!r}')
+    return tuple(value)
 
 
 def _model_name(args: argparse.Namespace, source) -> str:
@@ -105,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting, shutdown=args.shutdown, drain_timeout=args.drain_timeout,
         max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,
         kv_events=args.kv_events, kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic,
+        kv_events_hash=args.kv_events_hash, allowed_origins=args.allowed_origins,
     )
     if args.num_blocks is not None and args.kv_cache_memory is not None:
         raise InvalidArgumentError("give --num-blocks or --kv-cache-memory, not both")
@@ -126,30 +148,11 @@ def _serve(args: argparse.Namespace, config, source, sock: socket.socket) -> int
 
     import uvicorn
 
-    from hybridkv.engine.llm import LLM
-    from hybridkv.server.app import create_app
-    from hybridkv.server.async_llm import AsyncLLM
-    from hybridkv.server.metrics import ServerMetrics
+    from hybridkv.server.build import build_app
 
     engine_cfg = dataclasses.replace(engine_config(args, ENGINE_MAX_NUM_SEQS), queued_prefix=args.queued_prefix)
-    if config.kv_events is not None:
-        engine_cfg = dataclasses.replace(engine_cfg, enable_kv_events=True)
-    llm = LLM(source, engine_cfg)
-    # the engine thread holds the GIL between torch calls; a short switch interval lets the
-    # event loop send each step's chunks at once instead of after up to 5 ms (Python's default)
-    sys.setswitchinterval(SWITCH_INTERVAL)
-    publisher = None
-    if config.kv_events is not None:
-        from hybridkv.server.kv_events import KVEventPublisher
-
-        publisher = KVEventPublisher(
-            config.kv_events, group_specs=[g.spec for g in llm.engine.grouping.groups],
-            replay_endpoint=config.kv_events_replay, topic=config.kv_events_topic,
-        )
-    metrics = ServerMetrics(llm.engine, config.model_name)
-    front = AsyncLLM(llm, max_waiting=config.max_waiting, retry_after=config.retry_after,
-                     metrics=metrics, kv_publisher=publisher)
-    app = create_app(front, config, metrics)
+    app = build_app(source, engine=engine_cfg, server=config)
+    front, publisher = app.state.front, app.state.front.kv_publisher
     logging.basicConfig(level=args.log_level.upper(), format=f"{PREFIX}: %(levelname)s %(message)s")
     host, port = sock.getsockname()[:2]
     ready = f"{PREFIX}: listening on http://{host}:{port} (model {config.model_name})"

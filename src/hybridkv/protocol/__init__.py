@@ -9,3 +9,9 @@
 
 Importing this package imports none of them (each needs its extra: pydantic, msgspec, uvicorn).
 """
+
+__all__ = ["HASH_FORMS"]
+
+#: how KV events carry block hashes (:mod:`~hybridkv.protocol.kv_events`): "int", vLLM's default
+#: (each hash folded to 64 bits), or "bytes" (the whole digest); here, free of the wire's extra
+HASH_FORMS = ("int", "bytes")

@@ -18,8 +18,14 @@ Wire layout (as vLLM 0.33 sends it):
   DEALER and answers one ``[b"", topic, seq, payload]`` per buffered batch with
   ``seq >= start``, then ``[b"", b"", (-1 as 8 signed bytes), b""]``.
 
-Our events on the wire: block hashes are our chained hashes (bytes, as vLLM sends its
-own unless ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); ``token_ids`` are the tokens of the
+Our events on the wire: block hashes are our chained hashes (:mod:`hybridkv.core.hashing`)
+in one of two forms (:data:`HASH_FORMS`, ``--kv-events-hash``): ``"int"`` (the default, as
+vLLM's own default ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) folds each into a 64-bit
+unsigned integer by vLLM's rule, the digest's last 8 bytes read big-endian
+(:func:`fold_hash`), which is what Dynamo's indexer and other vLLM consumers decode;
+``"bytes"`` sends the whole digest (vLLM with that variable set to 0). ``parent_block_hash``
+takes the same form. ``token_ids`` are the tokens of the
+stored blocks``token_ids`` are the tokens of the
 stored blocks, ``block_size`` per block; ``group_idx`` is our group id and
 ``kv_cache_spec_kind`` its attention type in vLLM's names ("full_attention",
 "sliding_window", "chunked_local_attention"). ``kv_cache_spec_sliding_window`` is the
@@ -40,10 +46,11 @@ from typing import Any, Iterable
 import msgspec
 
 from hybridkv.core import events as core
+from hybridkv.protocol import HASH_FORMS
 
 __all__ = [
     "EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch",
-    "MEDIUM_GPU", "END_SEQ", "VLLM_SPEC_KINDS", "spec_metadata", "to_wire", "to_batch",
+    "MEDIUM_GPU", "END_SEQ", "VLLM_SPEC_KINDS", "HASH_FORMS", "fold_hash", "spec_metadata", "to_wire", "to_batch",
     "encode_batch", "decode_batch",
 ]
 
@@ -57,6 +64,20 @@ VLLM_SPEC_KINDS = frozenset({
 })
 
 ExternalBlockHash = bytes | int
+
+_MASK64 = (1 << 64) - 1
+
+
+def fold_hash(digest: bytes) -> int:
+    """A block hash as vLLM's 64-bit integer (``maybe_convert_block_hash``): the digest read as
+    a big-endian unsigned int, masked to its low 64 bits, i.e. its last 8 bytes.
+
+    >>> fold_hash(bytes(range(32)))   # bytes 24..31: 0x18191a1b1c1d1e1f
+    1736447835066146335
+    >>> fold_hash(b"\\xff" * 32) == 2**64 - 1
+    True
+    """
+    return int.from_bytes(digest, "big") & _MASK64
 
 
 # ------------------------------------------------------------ wire structs (vLLM 0.33 layout)
@@ -129,13 +150,22 @@ def spec_metadata(spec: Any) -> tuple[str, int | None]:
     return kind, spec.attention_span
 
 
-def to_wire(event: core.KVCacheEvent, medium: str | None = MEDIUM_GPU) -> KVCacheEvent:
-    """One core event as its wire struct."""
+def _hash_fn(hash_form: str):
+    if hash_form == "int":
+        return fold_hash
+    if hash_form == "bytes":
+        return bytes
+    raise ValueError(f"hash_form must be one of {HASH_FORMS}, got {hash_form!r}")
+
+
+def to_wire(event: core.KVCacheEvent, medium: str | None = MEDIUM_GPU, hash_form: str = "int") -> KVCacheEvent:
+    """One core event as its wire struct, its hashes in ``hash_form`` (:data:`HASH_FORMS`)."""
+    h = _hash_fn(hash_form)
     if type(event) is core.BlockStored:
         kind = event.spec_kind if event.spec_kind in VLLM_SPEC_KINDS else "unknown"
         return BlockStored(
-            block_hashes=list(event.block_hashes),
-            parent_block_hash=event.parent_hash,
+            block_hashes=[h(x) for x in event.block_hashes],
+            parent_block_hash=None if event.parent_hash is None else h(event.parent_hash),
             token_ids=list(event.token_ids),
             block_size=event.block_size,
             lora_id=None,
@@ -146,14 +176,16 @@ def to_wire(event: core.KVCacheEvent, medium: str | None = MEDIUM_GPU) -> KVCach
             kv_cache_spec_sliding_window=event.attention_span,
         )
     if type(event) is core.BlockRemoved:
-        return BlockRemoved(block_hashes=[event.block_hash], medium=medium, group_idx=event.group_id)
+        return BlockRemoved(block_hashes=[h(event.block_hash)], medium=medium, group_idx=event.group_id)
     if type(event) is core.AllBlocksCleared:
         return AllBlocksCleared()
     raise TypeError(f"not a KV cache event: {event!r:.80}")
 
 
-def to_batch(events: Iterable[core.KVCacheEvent], ts: float | None = None, data_parallel_rank: int = 0) -> KVEventBatch:
+def to_batch(events: Iterable[core.KVCacheEvent], ts: float | None = None, data_parallel_rank: int = 0,
+             hash_form: str = "int") -> KVEventBatch:
     """One step's core events as a wire batch (``ts`` defaults to ``time.time()``, as vLLM)."""
     return KVEventBatch(
-        ts=time.time() if ts is None else ts, events=[to_wire(e) for e in events], data_parallel_rank=data_parallel_rank
+        ts=time.time() if ts is None else ts, events=[to_wire(e, hash_form=hash_form) for e in events],
+        data_parallel_rank=data_parallel_rank,
     )

@@ -7,9 +7,13 @@ anything reaches the engine. Responses are built as plain dicts in
 Types are strict where a coercion would hide a client bug: ``max_tokens: "16"`` or a
 ``bool`` where an int belongs is a 400, not a silent conversion. Fields OpenAI defines
 that hybridkv cannot honour yet are accepted only at their neutral value (``best_of`` = 1,
-no ``suffix``, ...): any other value is a 400 that names the parameter
-(:func:`unsupported`). ``n: null`` (generated clients send it) is 1. Unknown
-fields are ignored, as vLLM and OpenAI do.
+no ``suffix``, OpenAI's legacy ``functions`` / ``function_call``, vLLM's
+``continue_final_message``, ...): any other value is a 400 that names the parameter
+(:func:`unsupported`). ``null`` for an optional field is its default (generated clients send
+``"stream": null``, ``"n": null``); for a required one it is a 400. vLLM's legacy
+``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (and
+``guided_whitespace_pattern``) mean what its ``structured_outputs`` fields of those names mean
+(:func:`structured_outputs_of`). Other unknown fields are ignored, as vLLM and OpenAI do.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import json
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 from hybridkv.errors import InvalidArgumentError
 
@@ -44,6 +48,15 @@ Number = Union[StrictInt, StrictFloat]
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """``null`` for a field that has a default is that default (``"stream": null`` is false)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+        return data
+
 
 class StreamOptions(_Model):
     include_usage: StrictBool = False
@@ -61,7 +74,7 @@ class _Sampling(_Model):
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
     stop_token_ids: Optional[list[StrictInt]] = None
     ignore_eos: StrictBool = False
-    n: Optional[StrictInt] = 1  # null (generated clients send it): 1
+    n: Optional[StrictInt] = 1
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[StrictStr] = None
@@ -79,11 +92,13 @@ class _Sampling(_Model):
     # (``{"json" | "json_object" | "regex" | "choice" | "grammar": ...}``): :func:`structured_outputs_of`
     response_format: Optional[dict[str, Any]] = None
     structured_outputs: Optional[dict[str, Any]] = None
-
-    @field_validator("n", mode="after")
-    @classmethod
-    def _n_null_is_one(cls, value: int | None) -> int:
-        return 1 if value is None else value
+    # vLLM's legacy names of structured_outputs' fields (:data:`GUIDED`), and its backend choice (refused)
+    guided_json: Optional[Union[StrictStr, dict[str, Any], StrictBool]] = None
+    guided_regex: Optional[StrictStr] = None
+    guided_choice: Optional[list[StrictStr]] = None
+    guided_grammar: Optional[StrictStr] = None
+    guided_whitespace_pattern: Optional[StrictStr] = None
+    guided_decoding_backend: Optional[StrictStr] = None
 
 
 class CompletionRequest(_Sampling):
@@ -124,6 +139,10 @@ class ChatCompletionRequest(_Sampling):
     # vLLM's: true and the last message's role is the reply's ("assistant"): its content starts
     # the reply's content (:func:`chat_echo`)
     echo: StrictBool = False
+    # refused unless neutral (:data:`_NEUTRAL`): OpenAI's legacy function calling, vLLM's continuation
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    continue_final_message: Optional[StrictBool] = None
 
 
 #: parameter -> (its neutral value(s), why another value is refused)
@@ -131,7 +150,16 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), "best_of > 1 is not supported (as in vLLM's V1 engine; n samples are)"),
     "use_beam_search": ((None, False), "beam search is not supported"),
     "suffix": ((None,), "suffix is not supported"),
+    "functions": ((None,), "the legacy functions are not supported; give them as tools"),
+    "function_call": ((None,), "the legacy function_call is not supported; use tool_choice"),
+    "continue_final_message": ((None, False), "continue_final_message is not supported (the reply always "
+                                              "starts a new assistant message)"),
+    "guided_decoding_backend": ((None,), "guided_decoding_backend is not supported (hybridkv's grammars are "
+                                         "llguidance's)"),
 }
+
+#: vLLM's legacy request fields -> the ``structured_outputs`` field each one sets
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def unsupported(request: _Model) -> tuple[str, str] | None:
@@ -152,9 +180,22 @@ def structured_outputs_of(request: _Sampling) -> tuple[dict[str, Any], str] | No
     that names it); None: free text. OpenAI's ``response_format``: ``{"type": "text"}`` (free),
     ``{"type": "json_object"}`` (any JSON object), ``{"type": "json_schema", "json_schema":
     {"name", "schema", "strict", ...}}`` (the schema, enforced as given whatever ``strict`` says;
-    no ``schema``: any JSON object). A bad shape, another type, or both parameters set: an
-    InvalidArgumentError naming the parameter. Whether the schema compiles is the engine's check."""
+    no ``schema``: any JSON object). vLLM's legacy ``guided_*`` fields (:data:`GUIDED`) set the
+    ``structured_outputs`` field of their name and are named in errors. A bad shape, another type,
+    or two of these set: an InvalidArgumentError naming a parameter. Whether the schema compiles is
+    the engine's check."""
     fmt, so = request.response_format, request.structured_outputs
+    guided = [name for name in GUIDED if getattr(request, name) is not None]
+    if request.guided_whitespace_pattern is not None and request.guided_json is None:
+        raise InvalidArgumentError("guided_whitespace_pattern needs guided_json", param="guided_whitespace_pattern")
+    if guided:
+        if len(guided) > 1 or fmt is not None or so is not None:
+            raise InvalidArgumentError(f"give one of {', '.join(guided)}, response_format, structured_outputs",
+                                       param=guided[-1])
+        so = {GUIDED[guided[0]]: getattr(request, guided[0])}
+        if request.guided_whitespace_pattern is not None:
+            so["whitespace_pattern"] = request.guided_whitespace_pattern
+        return so, guided[0]
     fields: dict[str, Any] | None = None
     if fmt is not None:
         kind = fmt.get("type")

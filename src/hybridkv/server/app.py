@@ -7,13 +7,15 @@
 |----------------------------|-----------------------------------------------------------|
 | POST /v1/completions       | text or token-id prompts (a list: one choice each)        |
 | POST /v1/chat/completions  | messages through the chat template                        |
-| GET  /v1/models            | the served model                                          |
+| POST /v1/completions/render, /v1/chat/completions/render | vLLM's: the token ids and sampling params generation would run (:mod:`.render`) |
+| GET  /v1/models            | the served model (``/v1/models/{id}``: it, or 404)        |
 | GET  /health               | 200 while serving, 503 once shutting down                 |
 | GET  /metrics              | Prometheus text (:mod:`hybridkv.server.metrics`)          |
 | POST /kv_cache/peek        | the prefix-cache hit a prompt would get now (an oracle)   |
 | POST /tokenize             | vLLM's: a text's or a chat's token ids (and their count)  |
 | POST /detokenize           | vLLM's: token ids' text                                   |
 | GET  /tokenizer_info       | vLLM's: special tokens, chat template (404: no tokenizer) |
+| GET  /get_load, /get_server_info, /get_model_info, /kv_event_sources, /version | what routers read (:mod:`.info`) |
 
 The lifespan starts the engine thread and, at shutdown (after uvicorn has let open
 responses finish), aborts what is left, stops the thread and records the pool's free
@@ -22,8 +24,9 @@ status of :mod:`hybridkv.protocol.errors`: malformed JSON and wrong types are 40
 FastAPI's 422), unknown routes 404, and nothing on the wire carries a traceback. A
 client that disconnects aborts its requests, streaming or not: their blocks are freed
 before the engine's next step (:func:`~hybridkv.protocol.disconnect.until_done_or_gone`).
-With ``api_key`` set, every route but ``/health`` and ``/metrics`` (:data:`OPEN_PATHS`)
-needs ``Authorization: Bearer KEY``; without it, 401 (``invalid_api_key``).
+With ``api_key`` set, every route but :data:`OPEN_PATHS` needs ``Authorization: Bearer KEY``;
+without it, 401 (``invalid_api_key``). CORS (``config.allowed_origins``, vLLM's default ``*``)
+wraps everything, so a browser's preflight ``OPTIONS`` is answered before the key is asked for.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any, Callable, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -47,6 +51,8 @@ from hybridkv.protocol.openai import ChatCompletionRequest, CompletionRequest
 from hybridkv.protocol.tokenize import DetokenizeRequest, tokenize_request_model
 from hybridkv.server.async_llm import AsyncLLM
 from hybridkv.server.config import ServerConfig
+from hybridkv.server.info import ReplicaInfo
+from hybridkv.server.render import OpenAIServingRender
 from hybridkv.server.serving import OpenAIServing
 from hybridkv.server.tokenization import OpenAIServingTokenization
 
@@ -56,9 +62,10 @@ log = logging.getLogger("hybridkv.server")
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-#: the routes answered without ``--api-key``'s key (load balancers' and scrapers', as vLLM's);
-#: every other path, ``/v1/*`` and ``/kv_cache/peek`` included, needs it (else 401)
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+#: the routes answered without ``--api-key``'s key (load balancers', scrapers' and vllm-router's load
+#: poll, which sends no key; as vLLM's); every other path, ``/v1/*`` and ``/kv_cache/peek`` included,
+#: needs it (else 401)
+OPEN_PATHS = frozenset({"/health", "/metrics", "/get_load", "/version"})
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -104,6 +111,8 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
     offload = Offload()
     serving = OpenAIServing(front, config, offload)
     tokenization = OpenAIServingTokenization(serving)
+    render = OpenAIServingRender(serving)
+    info = ReplicaInfo(front, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -118,6 +127,7 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
     app.state.front = front
     app.state.serving = serving
     app.state.tokenization = tokenization
+    app.state.info = info
     app.state.config = config
     app.state.metrics = metrics
     app.state.final_blocks = None
@@ -171,6 +181,16 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
         body = await offload.run(parse_body, ChatCompletionRequest, await request.body())
         return await _generate(request, serving.chat(body))
 
+    @app.post("/v1/completions/render")
+    async def completions_render(request: Request) -> Response:
+        body = await offload.run(parse_body, CompletionRequest, await request.body())
+        return JSONResponse(await render.completions(body))
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_completions_render(request: Request) -> Response:
+        body = await offload.run(parse_body, ChatCompletionRequest, await request.body())
+        return JSONResponse(await render.chat(body))
+
     @app.post("/kv_cache/peek")
     async def kv_cache_peek(request: Request) -> Response:
         try:
@@ -200,6 +220,35 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
     async def models() -> dict:
         return serving.models()
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        serving._check_model(model_id)  # another name: 404 model_not_found
+        return serving.models()["data"][0]
+
+    @app.get("/version")
+    async def version() -> dict:
+        return info.version()
+
+    @app.get("/get_load")
+    async def get_load() -> dict:
+        return info.load()
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict:
+        return info.server_info()
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict:
+        return info.model_info()
+
+    @app.get("/kv_event_sources")
+    async def kv_event_sources() -> Response:
+        sources = info.kv_event_sources()
+        if sources is None:
+            return JSONResponse(error_body("KV cache events are off (serve --kv-events)", "invalid_request_error"),
+                                status_code=404)
+        return JSONResponse(sources)
+
     @app.get("/health")
     async def health() -> Response:
         if not front.accepting:
@@ -213,4 +262,7 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    if config.allowed_origins:  # added last: the outermost layer, before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])  # the key is a header, never a cookie: no credentials
     return app

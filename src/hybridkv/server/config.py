@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridkv.errors import InvalidConfigError
+from hybridkv.protocol import HASH_FORMS
 from hybridkv.protocol.limits import DEFAULT_MAX_REQUEST_BYTES
 
 __all__ = ["ServerConfig", "SHUTDOWN_MODES", "TOOL_CALL_PARSERS"]
@@ -37,9 +38,12 @@ class ServerConfig:
     retry_after: int = 1  # seconds, in 503 responses
     kv_events: str | None = None  # ZMQ endpoint to publish KV events on, e.g. tcp://127.0.0.1:5557
     kv_events_replay: str | None = None  # ZMQ ROUTER endpoint answering replay requests
-    kv_events_topic: str = ""
+    kv_events_topic: str = ""  # e.g. llm-d's kv@<pod>@<model>
+    kv_events_hash: str = "int"  # block hashes on the wire: "int" (vLLM's default, 64-bit) or "bytes"
     #: a request body larger than this is refused with 413 before it is parsed (``--max-request-bytes``)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    #: origins a browser may call from (CORS; vLLM's ``--allowed-origins``, default any); () : no CORS
+    allowed_origins: tuple[str, ...] = ("*",)
     #: how ``tool_choice: "auto"`` finds calls in the output (``--tool-call-parser``); None: "auto" is a 400
     tool_call_parser: str | None = None
 
@@ -59,5 +63,9 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise InvalidConfigError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS} or None, got "
                                      f"{self.tool_call_parser!r}")
+        if not isinstance(self.allowed_origins, tuple) or not all(isinstance(o, str) and o for o in self.allowed_origins):
+            raise InvalidConfigError(f"allowed_origins must be a tuple of non-empty str, got {self.allowed_origins!r}")
+        if self.kv_events_hash not in HASH_FORMS:
+            raise InvalidConfigError(f"kv_events_hash must be one of {HASH_FORMS}, got {self.kv_events_hash!r}")
         if self.kv_events_replay is not None and self.kv_events is None:
             raise InvalidConfigError("a KV events replay endpoint needs a KV events endpoint")

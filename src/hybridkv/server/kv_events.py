@@ -31,6 +31,7 @@ from hybridkv.core import events as core
 from hybridkv.errors import InvalidConfigError
 from hybridkv.protocol.kv_events import (  # the wire format; names kept here for the publisher's users
     END_SEQ,
+    HASH_FORMS,
     MEDIUM_GPU,
     VLLM_SPEC_KINDS,
     AllBlocksCleared,
@@ -65,7 +66,8 @@ class KVEventPublisher:
 
     ``publish`` (one thread: the engine's) only hands the events to a bounded queue; a
     publisher thread converts, encodes, sends and answers replay requests, and is the
-    only user of the sockets after construction. ``group_specs``: the engine's
+    only user of the sockets after construction. ``hash_form``: the block hashes' form on the
+    wire (:data:`~hybridkv.protocol.kv_events.HASH_FORMS`; "int", vLLM's default). ``group_specs``: the engine's
     per-group specs; ``.group_metadata[g]`` is group g's (kind, window / chunk) on the
     wire, which the events carry themselves (the core takes them from the same specs).
     Bad endpoints raise InvalidConfigError here, not in the thread.
@@ -81,6 +83,7 @@ class KVEventPublisher:
         replay_endpoint: str | None = None,
         buffer_steps: int = 10_000,
         topic: str = "",
+        hash_form: str = "int",
         max_queue_size: int = 100_000,
         hwm: int = 100_000,
     ):
@@ -89,6 +92,10 @@ class KVEventPublisher:
                 raise InvalidConfigError(f"KV events {name} must be an int >= 1, got {value!r}")
         if not isinstance(topic, str):
             raise InvalidConfigError(f"KV events topic must be a str, got {topic!r}")
+        if hash_form not in HASH_FORMS:
+            raise InvalidConfigError(f"KV events hash form must be one of {HASH_FORMS}, got {hash_form!r}")
+        #: "int" (vLLM's default: 64-bit folded hashes) or "bytes" (whole digests) on the wire
+        self.hash_form = hash_form
         self.group_metadata = tuple(spec_metadata(s) for s in group_specs)
         self.topic = topic
         self._topic = topic.encode()
@@ -189,7 +196,7 @@ class KVEventPublisher:
                 return
             seq, ts, events = item
             try:
-                payload = encode(to_batch(events, ts))
+                payload = encode(to_batch(events, ts, hash_form=self.hash_form))
                 seq_bytes = seq.to_bytes(8, "big")
                 self._pub.send_multipart((self._topic, seq_bytes, payload))
                 self._buffer.append((seq, payload))

@@ -231,6 +231,11 @@ class ServerMetrics:
             st.free_blocks = usage.free
             st.cached_free_blocks = usage.cached_free
 
+    def finished_counts(self) -> dict[str, int]:
+        """Requests finished so far, by ``finished_reason`` (:data:`FINISH_REASONS`)."""
+        with self._lock:
+            return dict(self._state.success)
+
     def on_request_finished(self, rec: FinishedRecord) -> None:
         """Count a finished request and observe its latencies."""
         if not isinstance(rec, FinishedRecord):

@@ -167,10 +167,22 @@ class OpenAIServing:
             raise
 
     def _prepare(self, req) -> None:
+        """The checks that need no tokenizer: the model, unsupported fields, the logprobs ranges."""
         self._check_model(req.model)
         bad = unsupported(req)
         if bad is not None:
             raise InvalidArgumentError(bad[1], param=bad[0])
+        if isinstance(req, CompletionRequest):
+            if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+                raise InvalidArgumentError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}",
+                                           param="logprobs")
+            return
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidArgumentError(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs"
+            )
+        if req.top_logprobs and not req.logprobs:
+            raise InvalidArgumentError("top_logprobs needs logprobs=true", param="top_logprobs")
 
     # ------------------------------------------------------------ oracle
     async def peek(self, body: dict) -> dict:
@@ -222,10 +234,10 @@ class OpenAIServing:
             check_token_ids(x, self.llm.model.vocab_size, param="prompt")
         return ids
 
-    async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+    async def plan_completion(self, req: CompletionRequest) -> tuple[int, list[list[int]], list[SamplingParams]]:
+        """Steps 1-4 of a completions request (module docstring): ``(n, each prompt's ids, each
+        prompt's params)``, or the 4xx error; nothing queued (the render route's answer too)."""
         self._prepare(req)
-        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-            raise InvalidArgumentError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
         n = self._n(req, len(completion_prompt_list(req)))
         prompts = await self.offload.run(self.completion_prompts, req)  # tokenized off the event loop
         score = prompt_scoring(req, echo_logprobs=req.echo and req.logprobs is not None)
@@ -233,6 +245,10 @@ class OpenAIServing:
         params = await self.offload.run(lambda: [self._sampling(req, len(p), 16) for p in prompts])
         if score is not None:
             params = [replace(p, prompt_logprobs=score) for p in params]
+        return n, prompts, params
+
+    async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+        n, prompts, params = await self.plan_completion(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
         # choice i * n + j: prompt i's sample j (seed + j); SamplingParams.samples: the prompt computed once
         sub = await self.front.submit([p for p in prompts for _ in range(n)],
@@ -280,14 +296,10 @@ class OpenAIServing:
         messages = chat_messages(req)
         return self._encode(messages, "messages", plan.tools), chat_echo(req, messages)
 
-    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+    async def plan_chat(self, req: ChatCompletionRequest) -> tuple[int, ToolPlan, list[int], str, SamplingParams]:
+        """Steps 1-4 of a chat request: ``(n, its tool plan, the prompt's ids, echo, params)``, or
+        the 4xx error; nothing queued (the render route's answer too)."""
         self._prepare(req)
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise InvalidArgumentError(
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs"
-            )
-        if req.top_logprobs and not req.logprobs:
-            raise InvalidArgumentError("top_logprobs needs logprobs=true", param="top_logprobs")
         n = self._n(req, 1)
         plan = tool_plan(req, self.config.tool_call_parser)
         prompt, echo = await self.offload.run(self._chat_prompt_and_echo, req, plan)  # rendered and tokenized off the loop
@@ -295,6 +307,10 @@ class OpenAIServing:
         score = prompt_scoring(req, echo_logprobs=False)
         if score is not None:
             params = replace(params, prompt_logprobs=score)
+        return n, plan, prompt, echo, params
+
+    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+        n, plan, prompt, echo, params = await self.plan_chat(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         sub = await self.front.submit([prompt] * n, replace(params, n=n).samples(),
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None, request_id=rid)
