@@ -7,8 +7,9 @@ fed by a :class:`~hybridkv.router.events.ReplicaEvents` thread subscribed to the
 the replica advertised in its metadata), its in-flight count, and the routing stats the
 replica last reported. The ingress reads the same object (:data:`REPLICAS`) to answer
 ``GET /hybridkv/replicas``; it lives in this module, not the router's, because Ray ships the
-router class to the process by value and its module globals would be copies. Every method
-is safe from any thread. No Ray import.
+router class to the process by value (and may ship the ingress class so), whose module globals
+would then be copies: both reach it as ``ray_index.REPLICAS``, through the module, which is
+always imported by name. Every method is safe from any thread. No Ray import.
 
 Metadata a replica advertises (``record_replica_metadata``)::
 

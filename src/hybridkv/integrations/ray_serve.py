@@ -18,9 +18,10 @@ Two deployments:
   whose KV cache holds the longest valid prefix (hybridkv's ``hybrid`` policy). The reply
   streams back chunk by chunk, with the header ``x-hybridkv-replica`` naming the replica; a
   client that disconnects cancels the call, which the replica's app sees as its client
-  leaving (the engine request is aborted). Any other route is forwarded to the least loaded
-  replica; ``GET /hybridkv/replicas`` shows the router's view (index blocks, in flight,
-  stats).
+  leaving (the engine request is aborted). A completions request with several prompts is
+  routed by its first. Any other route (GET, POST, a CORS preflight) is forwarded to the
+  replica with the fewest calls in flight; ``GET /hybridkv/replicas`` shows the router's view
+  (index blocks, in flight, stats).
 
 Configuration crosses Ray as plain dicts: ``engine`` holds
 :class:`~hybridkv.engine_config.EngineConfig` fields, ``server``
@@ -49,7 +50,8 @@ __all__ = ["HybridkvIngress", "HybridkvReplica", "app_builder", "build_ray_app"]
 
 ROUTER_CLASS = "hybridkv.integrations.ray_router.KVAwareRequestRouter"
 #: request headers passed on to a replica (the rest are the proxy's business)
-FORWARDED = ("authorization", "content-type", "accept")
+FORWARDED = ("authorization", "content-type", "accept", "origin", "access-control-request-method",
+             "access-control-request-headers")
 _HOP_BY_HOP = ("content-length", "transfer-encoding", "connection")
 _GENERATE = ("/v1/completions", "/v1/chat/completions")
 
@@ -162,7 +164,7 @@ class HybridkvIngress:
             if not done:
                 gen.cancel()  # a client gone mid-stream: the replica's app sees it disconnect
 
-    @_api.api_route("/{path:path}", methods=["GET", "POST"])
+    @_api.api_route("/{path:path}", methods=["GET", "POST", "OPTIONS"])  # OPTIONS: CORS preflights
     async def forward(self, request: Request, path: str) -> Response:
         body = await request.body()
         return self._whole(await self.replicas.call.remote(request.method, "/" + path, self._headers(request), body))
