@@ -49,14 +49,19 @@ WORDS = ("river stone light paper window garden silver market engine winter brid
          "harbor candle letter mirror island thunder velvet meadow copper lantern violet canyon").split()
 
 
-def workload(n_docs: int, rounds: int, doc_words: int, seed: int = 0) -> list[str]:
+def workload(n_docs: int, rounds: int, doc_words: int, cut: float, seed: int = 0) -> list[str]:
+    """Round r asks each document (shuffled) a question; after the first round, odd documents
+    are quoted only up to ``cut`` of their words (a shorter shared prefix: its hit point lies
+    where the sliding window's blocks were freed early, first to go when the pool evicts)."""
     rng = random.Random(seed)
-    docs = [" ".join(rng.choice(WORDS) for _ in range(doc_words)) for _ in range(n_docs)]
+    docs = [[rng.choice(WORDS) for _ in range(doc_words)] for _ in range(n_docs)]
     out = []
     for r in range(rounds):
         order = list(range(n_docs))
         rng.shuffle(order)
-        out += [f"Document: {docs[d]}\nQuestion {r}: what is word {rng.randint(1, 99)}?\nAnswer:" for d in order]
+        for d in order:
+            words = docs[d] if r == 0 or d % 2 == 0 else docs[d][:int(cut * doc_words)]
+            out.append(f"Document: {' '.join(words)}\nQuestion {r}: what is word {rng.randint(1, 99)}?\nAnswer:")
     return out
 
 
@@ -150,6 +155,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--doc-words", type=int, default=600)
+    ap.add_argument("--cut", type=float, default=0.6, help="the share of an odd document quoted after round 0")
     ap.add_argument("--num-blocks", type=int, default=1200, help="each replica's KV pool (eviction pressure)")
     ap.add_argument("--settle", type=float, default=0.5, help="seconds after each response (events reach the indexes)")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
@@ -163,12 +169,13 @@ def main() -> None:
     for tool in ("vllm-router",):
         if shutil.which(tool) is None:
             raise SystemExit(f"bench_interop: {tool} is not installed (pip install -e '.[interop]')")
-    prompts = workload(args.docs, args.rounds, args.doc_words)
+    prompts = workload(args.docs, args.rounds, args.doc_words, args.cut)
     t0 = time.time()
     hits_r, pred_r, dyn = run_route(args, prompts)
     hits_v, cred_v, rejected = run_vllm_router(args, prompts)
     print(f"model {args.model}, 2 replicas x {args.num_blocks} blocks, {len(prompts)} requests "
-          f"({args.docs} documents x {args.rounds} rounds, ~{args.doc_words} words each), {time.time() - t0:.0f} s")
+          f"({args.docs} documents x {args.rounds} rounds, ~{args.doc_words} words each, odd ones cut to "
+          f"{args.cut:g} after round 0), {time.time() - t0:.0f} s")
     print("| router | hit tokens / request (replica's count) | predicted / request | predicted = hit | predicted > hit |")
     print("|---|---|---|---|---|")
     print(summary("hybridkv route (hybrid)", hits_r, pred_r))
