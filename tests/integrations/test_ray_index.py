@@ -32,7 +32,9 @@ def test_a_replicas_events_fill_its_index():
     stored = core.BlockStored((b"\x01" * 32, b"\x02" * 32), (1, 2), None, 4, 0, "full_attention", tokens, None)
     with KVEventPublisher("tcp://127.0.0.1:0", group_specs=[], replay_endpoint="tcp://127.0.0.1:0") as pub:
         reg = RayReplicas()
-        replica = reg.get("r0", {"kv_events": pub.endpoint, "kv_events_replay": pub.replay_endpoint})
+        replica = reg.get("r0", {})  # seen before its metadata arrived: subscribed when it does
+        assert replica.events is None
+        assert reg.get("r0", {"kv_events": pub.endpoint, "kv_events_replay": pub.replay_endpoint}) is replica
         try:
             deadline = time.monotonic() + 10
             while replica.score(list(tokens) + [99]) != 8 and time.monotonic() < deadline:
@@ -43,3 +45,19 @@ def test_a_replicas_events_fill_its_index():
         finally:
             reg.close()
         assert replica.events._closed
+
+
+def test_app_builder_binds_the_deployments_without_a_cluster():
+    pytest.importorskip("ray.serve")
+    from hybridkv.integrations.ray_serve import app_builder
+
+    app = app_builder({"model": "smollm2-135m", "num_replicas": "3", "engine": '{"max_model_len": 512}',
+                       "policy": "full-only"})
+    ingress = app._bound_deployment
+    [replica] = ingress.init_args
+    deployment = replica._bound_deployment if hasattr(replica, "_bound_deployment") else replica
+    assert ingress.name == "HybridkvIngress"
+    assert deployment.num_replicas == 3 and deployment.init_args[1] == {"max_model_len": 512}
+    router = deployment._deployment_config.request_router_config
+    assert router.request_router_class == "hybridkv.integrations.ray_router.KVAwareRequestRouter"
+    assert router.request_router_kwargs["policy"] == "full-only"

@@ -37,18 +37,19 @@ class RayReplicas:
 
     def get(self, replica_id: str, metadata: Mapping[str, Any] | None = None,
             stats: Mapping[str, Any] | None = None) -> Replica:
-        """The replica's state, created (and its events subscribed) on first sight."""
+        """The replica's state, created on first sight; its events subscribed as soon as its
+        metadata names them (on first sight, or later if its metadata came later)."""
         with self._lock:
             replica = self._replicas.get(replica_id)
+            meta = dict(metadata or {})
             if replica is None:
-                meta = dict(metadata or {})
-                spec = ReplicaSpec(f"ray-serve://{replica_id}", meta.get("kv_events"), meta.get("kv_events_replay"))
-                replica = self._replicas[replica_id] = Replica(replica_id, spec)
-                if spec.events is not None:
-                    replica.events = ReplicaEvents(
-                        replica_id, spec.events, spec.replay, on_batch=replica.on_events,
-                        on_reset=lambda why, r=replica: r.reset_index(why),
-                    )
+                replica = self._replicas[replica_id] = Replica(replica_id, ReplicaSpec(f"ray-serve://{replica_id}"))
+            if replica.events is None and meta.get("kv_events"):
+                replica.spec = ReplicaSpec(replica.spec.url, meta["kv_events"], meta.get("kv_events_replay"))
+                replica.events = ReplicaEvents(
+                    replica_id, replica.spec.events, replica.spec.replay, on_batch=replica.on_events,
+                    on_reset=lambda why, r=replica: r.reset_index(why),
+                )
             if stats:
                 self._stats[replica_id] = dict(stats)
             return replica
