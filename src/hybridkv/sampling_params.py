@@ -15,13 +15,16 @@ from typing import Any, Sequence
 from hybridkv.errors import InvalidArgumentError, PromptTooLongError
 from hybridkv.structured_outputs import StructuredOutputsParams
 
-__all__ = ["GREEDY_BELOW", "LOGIT_BIAS_MAX", "MAX_LOGPROBS", "MAX_N", "PENALTY_MAX", "SamplingParams", "check_context"]
+__all__ = ["GREEDY_BELOW", "LOGIT_BIAS_MAX", "MAX_LOGPROBS", "MAX_N", "PENALTY_MAX", "SEED_LIMIT", "SamplingParams",
+           "check_context"]
 
 #: the most samples of one prompt a request may ask for
 MAX_N = 128
 
 #: the most alternatives per position a request may ask for (vLLM's default ``max_logprobs``)
 MAX_LOGPROBS = 20
+#: a seed is an int in [0, SEED_LIMIT) (vLLM's range: 64 bits, unsigned); anything else is refused, never wrapped
+SEED_LIMIT = 1 << 64
 
 #: a temperature below this samples greedily (vLLM's ``_SAMPLING_EPS``): dividing logits by
 #: less would only re-rank ties by rounding, and 1e-300 would overflow fp32
@@ -164,8 +167,9 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_k must be 0 (off) or a positive int, got {self.top_k!r}", param="top_k")
         if not _real(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidArgumentError(f"seed must be an int, got {self.seed!r}", param="seed")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < SEED_LIMIT):
+            raise InvalidArgumentError(f"seed must be an int in [0, 2**64), got {self.seed!r:.40}", param="seed")
         try:
             stop = tuple(self.stop_token_ids)
         except TypeError:
@@ -231,7 +235,7 @@ class SamplingParams:
             )
 
     def samples(self) -> list["SamplingParams"]:
-        """The ``n`` one-sequence params of these (``n`` = 1 each; seeds ``seed + i`` when set),
+        """The ``n`` one-sequence params of these (``n`` = 1 each; seeds ``(seed + i) mod 2**64`` when set),
         for ``n`` requests of one prompt queued in a row. The prompt is then computed once,
         through the prefix cache: the first request's prefill chunks use the whole step budget
         but the last, so the others are admitted in the step of its last chunk or later, and
@@ -240,7 +244,7 @@ class SamplingParams:
         at most ``P - 1`` tokens). Admission counts the hit, as for any prefix hit."""
         if self.n == 1:
             return [self]
-        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)]
+        return [replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % SEED_LIMIT) for i in range(self.n)]
 
     def with_eos(self, eos_token_ids: Sequence[int]) -> "SamplingParams":
         """These params with the model's EOS ids added to ``stop_token_ids`` (self if

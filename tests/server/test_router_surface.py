@@ -227,3 +227,31 @@ def test_build_app_wires_what_serve_wires(tiny_dir, tiny_llm):
         assert json.dumps(sources)
     finally:
         pub.close()
+
+
+def test_prompts_past_the_context_are_refused_before_they_are_read(tiny_llm):
+    """``/kv_cache/peek`` and generation refuse a prompt with no room for an output token in
+    ``max_model_len`` (256 here) alike: token ids by their count (1.5M of them cost no more than
+    300), text by its tokens (a text too long for any tokenization by its length)."""
+    import time
+
+    chat_long = [{"role": "user", "content": "ab " * 200}]  # ~600 tokens with the tiny character vocabulary
+
+    async def body(client, front, app):
+        out = {}
+        for name, req in [("ids", {"prompt": [5] * 300}), ("ids at the limit", {"prompt": [5] * 256}),
+                          ("huge ids", {"prompt": [5] * 1_500_000}), ("text", {"prompt": "abc " * 100}),
+                          ("chat", {"messages": chat_long})]:
+            t0 = time.perf_counter()
+            peek = await client.post("/kv_cache/peek", json=req)
+            gen = await client.post(C if "prompt" in req else CHAT, json={**req, "max_tokens": 1})
+            out[name] = (peek.status_code, peek.json(), gen.status_code, gen.json(), time.perf_counter() - t0)
+        ok = (await client.post("/kv_cache/peek", json={"prompt": [5] * 255})).json()
+        return out, ok, front.num_unfinished
+
+    (out, ok, unfinished), blocks = run_app(tiny_llm, body)
+    for name, (ps, pj, gs, gj, _) in out.items():
+        assert ps == gs == 400, (name, pj, gj)
+        assert pj["error"]["code"] == gj["error"]["code"] == "context_length_exceeded", name
+    assert ok == {"prompt_tokens": 255, "cached_tokens": 0}
+    assert unfinished == 0 and blocks[0] == blocks[1]

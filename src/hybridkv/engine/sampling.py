@@ -50,8 +50,12 @@ _FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def step_seed(seed: int, num_output_tokens: int) -> int:
-    """A 63-bit seed for sampling output token ``num_output_tokens`` of a request with ``seed``."""
+    """A 63-bit seed for sampling output token ``num_output_tokens`` of a request with ``seed``
+    (in [0, 2**64)). The arithmetic is modulo 2**63, so a seed's top bit enters as a constant of
+    its own: ``seed`` and ``seed + 2**63`` draw different streams (they would otherwise be one)."""
     x = (seed * 0x9E3779B97F4A7C15 + num_output_tokens * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    if seed >> 63:
+        x ^= 0x5851F42D4C957F2D
     x ^= x >> 31
     x = (x * 0xD6E8FEB86659FD93) & _MASK64
     return x ^ (x >> 29)

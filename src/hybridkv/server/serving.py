@@ -188,7 +188,9 @@ class OpenAIServing:
     async def peek(self, body: dict) -> dict:
         """``POST /kv_cache/peek``: ``{"prompt": text | ids}`` or ``{"messages": [...]}`` ->
         ``{"prompt_tokens": n, "cached_tokens": hit}``: the prefix-cache hit a request with
-        this prompt would get now (valid for every group). For routers' oracles and tests."""
+        this prompt would get now (valid for every group). For routers' oracles and tests. A
+        prompt that leaves no room for an output token in ``max_model_len`` is refused as
+        generation refuses it (400 ``context_length_exceeded``), token ids before they are read."""
         if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
             raise InvalidArgumentError('give "prompt" (text or token ids) or "messages"', param="prompt")
         param = "messages" if "messages" in body else "prompt"
@@ -201,6 +203,7 @@ class OpenAIServing:
             err = exc.errors()[0]  # where, as the generation routes say it: messages.0.role
             where = ".".join(str(p) for p in err.get("loc", ())) if param == "messages" else param
             raise InvalidArgumentError(f"{where or param}: {err.get('msg', 'invalid value')}", param=param) from None
+        check_context(len(ids), 1, self.max_model_len)  # a prompt no request could run: refused, as generation
         return {"prompt_tokens": len(ids), "cached_tokens": await self.front.peek_prefix_hit(ids)}
 
     def _one_prompt(self, req: CompletionRequest) -> list[int]:
@@ -229,6 +232,9 @@ class OpenAIServing:
             raise InvalidArgumentError(
                 f"{len(prompts)} prompts in one request; at most {self.config.max_prompts_per_request}", param="prompt"
             )
+        for x in prompts:  # token ids past the context: refused before any id is looked at, or any text tokenized
+            if not isinstance(x, str):
+                check_context(len(x), 1, self.max_model_len)
         ids = [self._encode(x, "prompt") for x in prompts]
         for x in ids:  # all of them before any is submitted
             check_token_ids(x, self.llm.model.vocab_size, param="prompt")
