@@ -97,16 +97,14 @@ def run_route(args, prompts) -> tuple[list, list, list]:
                                                  "model_name": args.model, "block_size": 16}, timeout=10)
         time.sleep(1.0)
         hits, predicted, dyn = [], [], []
-        names = {r.base_url: i + 1 for i, r in enumerate(reps)}
         for p in prompts:
             ids = httpx.post(reps[0].base_url + "/tokenize", json={"prompt": p}, timeout=30).json()["tokens"]
             scores = httpx.post(base + "/query", json={"token_ids": ids, "model_name": args.model}, timeout=10).json()
             resp = httpx.post(route.base_url + "/v1/completions", json={"prompt": p, "max_tokens": 1}, timeout=300)
             hits.append(cached(resp))
             predicted.append(int(resp.headers["x-hybridkv-predicted-hit"]))
-            chosen = names[resp.headers["x-hybridkv-replica"]] if resp.headers["x-hybridkv-replica"] in names else None
-            if chosen is None:  # route names replicas r0, r1, ... in --replica order
-                chosen = int(resp.headers["x-hybridkv-replica"].lstrip("r")) + 1
+            # route names replicas r0, r1, ... in --replica order; Dynamo knows them as instances 1, 2, ...
+            chosen = int(resp.headers["x-hybridkv-replica"].removeprefix("r")) + 1
             cap = (len(ids) - 1) // 16 * 16
             dyn.append(min(scores["scores"].get(str(chosen), {}).get("0", 0), cap))
             time.sleep(args.settle)
