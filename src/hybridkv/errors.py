@@ -25,6 +25,7 @@ also derive from it (``ValueError``, ``KeyError``) so generic handlers still wor
     ├── TokenizerError            a tokenizer that cannot be built or does not match the model
     ├── ModelNotFoundError        a request names a model the server does not serve
     ├── ServiceUnavailableError   the server's waiting queue is full, or it is shutting down
+    ├── RateLimitError            one client holds as much as the server lets one client hold
     ├── EngineFailedError         the engine raised while running a request (a bug; HTTP 500)
     └── InvariantViolation        check_invariants() found corrupted state (a bug)
 """
@@ -53,6 +54,7 @@ __all__ = [
     "TokenizerError",
     "ModelNotFoundError",
     "ServiceUnavailableError",
+    "RateLimitError",
     "EngineFailedError",
     "InvariantViolation",
 ]
@@ -171,6 +173,18 @@ class ServiceUnavailableError(HybridKVError):
 
     def __init__(self, *args: object, retry_after: int = 1) -> None:
         super().__init__(*args)
+        self.retry_after = retry_after
+
+
+class RateLimitError(HybridKVError):
+    """A client already holds what the server lets one client hold (``--max-seqs-per-client``
+    sequences or ``--max-tokens-per-client`` prompt tokens unfinished): HTTP 429 with
+    ``Retry-After`` (seconds), OpenAI's ``rate_limit_exceeded``. ``limit`` is OpenAI's error
+    type for it: ``"requests"`` or ``"tokens"``."""
+
+    def __init__(self, *args: object, limit: str = "requests", retry_after: int = 1) -> None:
+        super().__init__(*args)
+        self.limit = limit
         self.retry_after = retry_after
 
 

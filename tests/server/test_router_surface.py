@@ -231,8 +231,10 @@ def test_build_app_wires_what_serve_wires(tiny_dir, tiny_llm):
 
 def test_prompts_past_the_context_are_refused_before_they_are_read(tiny_llm):
     """``/kv_cache/peek`` and generation refuse a prompt with no room for an output token in
-    ``max_model_len`` (256 here) alike: token ids by their count (1.5M of them cost no more than
-    300), text by its tokens (a text too long for any tokenization by its length)."""
+    ``max_model_len`` (256 here) alike: token ids by their count, before the body is validated
+    (10,000 of them), or while it arrives when no request could hold that many values (1.5M: 413,
+    the rest of the body unread), text by its tokens (a text too long for any tokenization by
+    its length)."""
     import time
 
     chat_long = [{"role": "user", "content": "ab " * 200}]  # ~600 tokens with the tiny character vocabulary
@@ -240,7 +242,8 @@ def test_prompts_past_the_context_are_refused_before_they_are_read(tiny_llm):
     async def body(client, front, app):
         out = {}
         for name, req in [("ids", {"prompt": [5] * 300}), ("ids at the limit", {"prompt": [5] * 256}),
-                          ("huge ids", {"prompt": [5] * 1_500_000}), ("text", {"prompt": "abc " * 100}),
+                          ("many ids", {"prompt": [5] * 10_000}), ("huge ids", {"prompt": [5] * 1_500_000}),
+                          ("nested ids", {"prompt": [[5] * 9000]}), ("text", {"prompt": "abc " * 100}),
                           ("chat", {"messages": chat_long})]:
             t0 = time.perf_counter()
             peek = await client.post("/kv_cache/peek", json=req)
@@ -250,6 +253,8 @@ def test_prompts_past_the_context_are_refused_before_they_are_read(tiny_llm):
         return out, ok, front.num_unfinished
 
     (out, ok, unfinished), blocks = run_app(tiny_llm, body)
+    huge = out.pop("huge ids")
+    assert huge[0] == huge[2] == 413 and huge[1] == huge[3] and huge[1]["error"]["code"] == "request_too_large"
     for name, (ps, pj, gs, gj, _) in out.items():
         assert ps == gs == 400, (name, pj, gj)
         assert pj["error"]["code"] == gj["error"]["code"] == "context_length_exceeded", name

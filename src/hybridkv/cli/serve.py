@@ -55,8 +55,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--port", type=int_range(0, 65535), default=8000, help="port; 0 picks a free one (default 8000)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in the API (default: MODEL as given, or its directory's name)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (default: none)")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (one of the keys given) on every route but /health, "
+                        "/metrics, /get_load and /version (default: none); two or more keys tell clients apart "
+                        "(their shares and --max-*-per-client limits)")
+    p.add_argument("--client-id-header", default=None, metavar="NAME",
+                   help="the header a gateway in front sets to the caller's id (e.g. X-Client-Id): requests with "
+                        "one id share one client's running slots and limits; requests without it are one "
+                        "anonymous client (default: clients told apart by API key only)")
+    p.add_argument("--max-seqs-per-client", type=int_range(1), default=None, metavar="N",
+                   help="unfinished sequences (prompts x n) one client may hold; past it 429 with Retry-After "
+                        "(default: no limit; needs --client-id-header or two or more --api-key)")
+    p.add_argument("--max-tokens-per-client", type=int_range(1), default=None, metavar="N",
+                   help="prompt tokens of one client's unfinished sequences at most; past it 429 with "
+                        "Retry-After (default: no limit; needs --client-id-header or two or more --api-key)")
     p.add_argument("--max-waiting", type=int_range(1), default=256,
                    help="requests waiting at most; past it 503 with Retry-After (default 256)")
     add_max_request_bytes(p)
@@ -122,7 +134,9 @@ def run(args: argparse.Namespace) -> int:
 
     source = resolve_model_source(args.model)
     config = ServerConfig(
-        model_name=_model_name(args, source), host=args.host, port=args.port, api_key=args.api_key,
+        model_name=_model_name(args, source), host=args.host, port=args.port,
+        api_key=None if args.api_key is None else tuple(args.api_key), client_id_header=args.client_id_header,
+        max_seqs_per_client=args.max_seqs_per_client, max_tokens_per_client=args.max_tokens_per_client,
         max_waiting=args.max_waiting, shutdown=args.shutdown, drain_timeout=args.drain_timeout,
         max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,
         kv_events=args.kv_events, kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic,

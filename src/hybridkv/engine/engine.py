@@ -193,9 +193,12 @@ class LLMEngine:
 
     # --------------------------------------------------------------- requests
     def add_request(
-        self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None, request_id: str | None = None
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None, request_id: str | None = None,
+        share_key: str | None = None,
     ) -> str:
         """Queue a prompt; returns its request id. Bad input raises before anything is queued.
+        ``share_key``: whose share of the running slots it takes (:mod:`hybridkv.scheduler.shares`:
+        one HTTP request's prompts, one client's requests); None, its own.
 
         One request is one sequence: ``sampling.n`` must be 1 (the text fronts queue ``n``
         requests of the prompt, one after another: see :meth:`SamplingParams.samples`)."""
@@ -215,7 +218,7 @@ class LLMEngine:
                                        "of the prompt: SamplingParams.samples())", param="n")
         so = sampling.structured_outputs
         matcher = None if so is None else self.structured.matcher(so)  # a bad grammar raises here
-        self.scheduler.add_request(rid, prompt, sampling)
+        self.scheduler.add_request(rid, prompt, sampling, share_key=share_key)
         if matcher is not None:
             self.structured.start(rid, matcher, sampling)
         self._progress[rid] = Progress(time.perf_counter(), sampling.prompt_logprobs is not None)

@@ -14,6 +14,7 @@
 | DuplicateRequestError                        | 409    | invalid_request_error |                         |
 | other RequestError                           | 400    | invalid_request_error |                         |
 | ServiceUnavailableError                      | 503    | server_overloaded     | (and ``Retry-After``)   |
+| RateLimitError                               | 429    | requests / tokens     | rate_limit_exceeded     |
 | EngineFailedError, InvariantViolation, other | 500    | server_error          | (logged, no detail)     |
 
 A full pool is not an error (requests wait). Config and weight errors end start-up
@@ -48,6 +49,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str, str | None]] = {
     E.StaleHitError: (409, "invalid_request_error", None),
     E.RequestError: (400, "invalid_request_error", None),
     E.ServiceUnavailableError: (503, "server_overloaded", None),
+    E.RateLimitError: (429, "requests", "rate_limit_exceeded"),  # type: the error's ``limit``
     E.InvariantViolation: (500, "server_error", None),
     E.EngineFailedError: (500, "server_error", None),
 }
@@ -79,7 +81,9 @@ def to_response(exc: BaseException) -> ErrorResponse:
         log.error("internal error answering a request", exc_info=exc)
         return ErrorResponse(status, error_body("internal server error", type_, None, code))
     headers = {}
-    if isinstance(exc, E.ServiceUnavailableError):
+    if isinstance(exc, (E.ServiceUnavailableError, E.RateLimitError)):
         headers["Retry-After"] = str(exc.retry_after)
+    if isinstance(exc, E.RateLimitError):
+        type_ = exc.limit
     message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
     return ErrorResponse(status, error_body(message, type_, getattr(exc, "param", None), code), headers)

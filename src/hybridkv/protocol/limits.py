@@ -2,8 +2,11 @@
 
 * :class:`BodyLimit` (pure ASGI, outermost): a body larger than ``max_bytes`` is refused
   with 413 in OpenAI's error shape before anything parses it, by its ``Content-Length``
-  when it declares one, else once the bytes read pass the limit (chunked uploads). A body
-  within the limit is read once and replayed to the app.
+  when it declares one, else once the bytes read pass the limit (chunked uploads). With
+  ``max_values``, a body whose commas outside strings pass it (:mod:`.value_count`: more
+  values than any request to the server can use, e.g. 1.5M token ids) is refused with 413
+  as soon as the bytes read show it, its rest unread and never parsed. A body within the
+  limits is read once and replayed to the app.
 * :class:`Offload`: a small, bounded pool of worker threads for the CPU work of a request
   (JSON parsing, validation, tokenization), so that a large body never stalls the event
   loop: ``/health`` and the other requests keep being answered meanwhile. At most
@@ -19,6 +22,7 @@ from typing import Any, Callable, TypeVar
 
 from hybridkv.errors import InvalidConfigError
 from hybridkv.protocol.errors import error_body
+from hybridkv.protocol.value_count import ValueCounter
 
 __all__ = ["BodyLimit", "DEFAULT_MAX_REQUEST_BYTES", "Offload", "check_max_request_bytes", "loads_json"]
 
@@ -41,12 +45,24 @@ def too_large_body(max_bytes: int) -> bytes:
     return json.dumps(error_body(message, "invalid_request_error", None, "request_too_large")).encode()
 
 
-class BodyLimit:
-    """ASGI middleware: 413 for a body over ``max_bytes`` (see the module docstring)."""
+def too_many_values_body(max_values: int) -> bytes:
+    """The 413 response's JSON body for a body holding more than ``max_values`` values."""
+    message = (f"request body holds more than {max_values:,} JSON values, more than any request to this server "
+               "can use (every prompt of a request at the model's context length in token ids, and a list of "
+               "every token id)")
+    return json.dumps(error_body(message, "invalid_request_error", None, "request_too_large")).encode()
 
-    def __init__(self, app: Callable, max_bytes: int) -> None:
+
+class BodyLimit:
+    """ASGI middleware: 413 for a body over ``max_bytes`` or ``max_values`` (see the module docstring)."""
+
+    def __init__(self, app: Callable, max_bytes: int, max_values: int | None = None) -> None:
         self.app = app
         self.max_bytes = check_max_request_bytes(max_bytes)
+        if max_values is not None and (isinstance(max_values, bool) or not isinstance(max_values, int)
+                                       or max_values < 1):
+            raise InvalidConfigError(f"max_values must be an int >= 1 or None, got {max_values!r}")
+        self.max_values = max_values
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -54,10 +70,11 @@ class BodyLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(send, too_large_body(self.max_bytes))
             return
         chunks: list[bytes] = []
         size = 0
+        values = None if self.max_values is None else ValueCounter()
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -65,7 +82,10 @@ class BodyLimit:
             body = message.get("body", b"")
             size += len(body)
             if size > self.max_bytes:
-                await self._refuse(send)
+                await self._refuse(send, too_large_body(self.max_bytes))
+                return
+            if values is not None and values.feed(body) >= self.max_values:  # k commas: k + 1 values at least
+                await self._refuse(send, too_many_values_body(self.max_values))
                 return
             chunks.append(body)
             if not message.get("more_body", False):
@@ -81,8 +101,7 @@ class BodyLimit:
 
         await self.app(scope, replayed, send)
 
-    async def _refuse(self, send: Callable) -> None:
-        body = too_large_body(self.max_bytes)
+    async def _refuse(self, send: Callable, body: bytes) -> None:
         await send({
             "type": "http.response.start",
             "status": 413,

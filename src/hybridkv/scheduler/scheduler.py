@@ -16,7 +16,9 @@ vLLM 0.33. Each ``schedule()`` spends a token budget (``max_num_batched_tokens``
    does not fit stops admission (no skipping ahead). ``SchedulerConfig.admission``
    says what must fit: the whole prompt, each windowed group at most at its spec's
    per-request bound (``"full_prompt"``, vLLM's default), or only the first chunk
-   (``"first_chunk"``).
+   (``"first_chunk"``). Requests added with a ``share_key`` (one HTTP request's prompts,
+   one client's requests) are admitted max-min fair across keys instead, preempting a
+   key that runs two more than the newcomer's (:mod:`hybridkv.scheduler.shares`).
 
 ``allocate_slots`` frees the blocks no future token attends to (outside the window /
 before the current chunk) as requests advance, so chunked and sliding groups hand
@@ -52,6 +54,7 @@ from hybridkv.errors import (
 )
 from hybridkv.scheduler.config import SchedulerConfig
 from hybridkv.scheduler.isolation import FaultIsolation
+from hybridkv.scheduler.shares import FairShare, share_of
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler.interface import ModelRunner, ScheduledRequest, SchedulerOutput
 from hybridkv.scheduler.sequence import FinishReason, Sequence, SequenceStatus
@@ -62,7 +65,7 @@ __all__ = ["Scheduler"]
 REFRESH_WAITING = 16
 
 
-class Scheduler(FaultIsolation):
+class Scheduler(FaultIsolation, FairShare):
     """Waiting and running queues over one :class:`KVCacheManager`."""
 
     def __init__(self, kv_cache_manager: KVCacheManager, config: SchedulerConfig):
@@ -81,6 +84,9 @@ class Scheduler(FaultIsolation):
         self.num_rolled_back_steps = 0
         #: requests of a failed step not yet run alone (see the module docstring), in order
         self.suspects: dict[str, None] = {}
+        #: unfinished sequences added with a share key, and preemptions made to even shares
+        self.num_keyed = 0
+        self.num_share_preemptions = 0
         self._finished_since_last: list[str] = []
         self._usable_blocks = kv_cache_manager.usable_blocks
 
@@ -90,13 +96,18 @@ class Scheduler(FaultIsolation):
         request_id: str,
         prompt_token_ids: Seq[int],
         sampling: SamplingParams | None = None,
+        share_key: str | None = None,
         **extra,
     ) -> Sequence:
         """Queue a request. Typed errors (nothing queued) for a duplicate id, an empty
         prompt, a prompt of ``max_model_len`` tokens or more (one output token must fit,
-        as vLLM requires), or a request the pool could never hold on its own."""
+        as vLLM requires), or a request the pool could never hold on its own.
+        ``share_key`` (a non-empty str): whose share of the running slots it takes
+        (:mod:`hybridkv.scheduler.shares`); None, its own."""
         if request_id in self.sequences:
             raise DuplicateRequestError(f"request {request_id!r} already exists")
+        if share_key is not None and (not isinstance(share_key, str) or not share_key):
+            raise InvalidArgumentError(f"share_key must be a non-empty str or None, got {share_key!r:.60}")
         sampling = sampling or SamplingParams()
         num_prompt, max_len = len(prompt_token_ids), self.config.max_model_len
         if num_prompt >= max_len:
@@ -109,8 +120,9 @@ class Scheduler(FaultIsolation):
                 f"request {request_id!r} ({total} tokens) may need {peak} blocks; the pool has {self._usable_blocks}"
             )
         request = self.kv.make_request(request_id, prompt_token_ids, **extra)
-        seq = Sequence(request, sampling, arrival_step=self.step_count)
+        seq = Sequence(request, sampling, arrival_step=self.step_count, share_key=share_key)
         self.sequences[request_id] = seq
+        self.num_keyed += share_key is not None
         self.waiting.append(seq)
         if self.config.queued_prefix == "refresh":
             seq.arrival_hit_tokens = self.kv.refresh_prefix_hit(request)
@@ -193,28 +205,7 @@ class Scheduler(FaultIsolation):
             if self._admit_solo(solo, budget, work) is None:
                 self.suspects.clear()  # it cannot run alone beside what holds the pool: no more isolation
         elif solo is None and not preempted:
-            full_prompt = self.config.admission == "full_prompt"
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                seq = self.waiting[0]
-                req = seq.request
-                hit_blocks, num_hit = self._prefix_hit(seq)
-                num_new = kv.align_num_new_tokens(req, num_hit, min(req.num_tokens - num_hit, budget),
-                                                  self.config.max_num_batched_tokens)
-                if num_new == 0:  # its chunk cannot reach a state checkpoint this step: it waits
-                    break
-                fits = not full_prompt or self.blocks_to_admit(req, hit_blocks, num_hit) <= kv.num_free_blocks
-                if not fits or kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
-                    if kv.pins.unpin_last(keep=req.request_id):  # the queue's head goes before later pins
-                        continue
-                    if not self.running:
-                        raise PoolTooSmallError(
-                            f"request {req.request_id!r} does not fit an otherwise empty pool of "
-                            f"{self._usable_blocks} blocks"
-                        )
-                    break
-                self.waiting.popleft()
-                self._admitted(seq, num_hit, num_new, work)
-                budget -= num_new
+            self._admit_waiting(budget, work, preempted)
 
         if solo is not None and not work:
             self.suspects.clear()  # the suspect cannot run alone now: no more isolation
@@ -245,6 +236,46 @@ class Scheduler(FaultIsolation):
         self._finished_since_last = []
         self.step_count += 1
         return output
+
+    def _admit_waiting(self, budget: int, work: list, preempted: list) -> None:
+        """Step 2 of the module docstring: admit waiting requests while budget, slots and
+        blocks allow (the next one :meth:`_pick`'s; room made for it by :meth:`_make_room`)."""
+        kv = self.kv
+        full_prompt = self.config.admission == "full_prompt"
+        shares = self._share_counts()
+        while self.waiting and budget > 0:
+            seq = self._pick(shares)
+            if len(self.running) >= self.config.max_num_seqs:
+                freed = self._make_room(seq, shares, work, preempted)
+                if freed is None:
+                    break
+                budget += freed
+                continue
+            req = seq.request
+            hit_blocks, num_hit = self._prefix_hit(seq)
+            num_new = kv.align_num_new_tokens(req, num_hit, min(req.num_tokens - num_hit, budget),
+                                              self.config.max_num_batched_tokens)
+            if num_new == 0:  # its chunk cannot reach a state checkpoint this step: it waits
+                break
+            fits = not full_prompt or self.blocks_to_admit(req, hit_blocks, num_hit) <= kv.num_free_blocks
+            if not fits or kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
+                if kv.pins.unpin_last(keep=req.request_id):  # the queue's head goes before later pins
+                    continue
+                freed = self._make_room(seq, shares, work, preempted)
+                if freed is not None:
+                    budget += freed
+                    continue
+                if not self.running:
+                    raise PoolTooSmallError(
+                        f"request {req.request_id!r} does not fit an otherwise empty pool of "
+                        f"{self._usable_blocks} blocks"
+                    )
+                break
+            self._take_waiting(seq)
+            self._admitted(seq, num_hit, num_new, work)
+            if shares is not None:
+                shares[share_of(seq)] += 1
+            budget -= num_new
 
     def _prefix_hit(self, seq: Sequence) -> tuple[KVCacheBlocks | None, int]:
         """The waiting ``seq``'s prefix hit; none for a request that scores its prompt
@@ -340,6 +371,7 @@ class Scheduler(FaultIsolation):
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finished_step = self.step_count
+        self.num_keyed -= seq.share_key is not None
         self._finished_since_last.append(seq.request_id)
         del self.sequences[seq.request_id]
 
@@ -365,6 +397,8 @@ class Scheduler(FaultIsolation):
         for seq in self.running:
             if seq.status is not SequenceStatus.RUNNING or not self.kv.has_request(seq.request_id):
                 raise InvariantViolation(f"running {seq} holds no blocks")
+        if self.num_keyed != sum(s.share_key is not None for s in self.sequences.values()):
+            raise InvariantViolation(f"num_keyed {self.num_keyed} disagrees with the sequences' share keys")
         if any(rid not in self.sequences for rid in self.suspects):
             raise InvariantViolation("a suspect of a failed step is neither waiting nor running")
         waiting = set(waiting_ids)

@@ -40,9 +40,11 @@ class Sequence:
         "num_cached_tokens",
         "last_hit_tokens",
         "arrival_hit_tokens",
+        "share_key",
     )
 
-    def __init__(self, request: Request, sampling: SamplingParams, arrival_step: int = 0):
+    def __init__(self, request: Request, sampling: SamplingParams, arrival_step: int = 0,
+                 share_key: str | None = None):
         self.request = request
         self.sampling = sampling
         self.status = SequenceStatus.WAITING
@@ -59,6 +61,8 @@ class Sequence:
         #: prefix-hit tokens when it was queued (with ``queued_prefix`` refresh or pin; 0
         #: otherwise): what a router that chose this replica could have seen
         self.arrival_hit_tokens = 0
+        #: whose share of the running slots it takes (:mod:`hybridkv.scheduler.shares`); None: its own
+        self.share_key = share_key
 
     @property
     def request_id(self) -> str:

@@ -24,8 +24,10 @@ status of :mod:`hybridkv.protocol.errors`: malformed JSON and wrong types are 40
 FastAPI's 422), unknown routes 404, and nothing on the wire carries a traceback. A
 client that disconnects aborts its requests, streaming or not: their blocks are freed
 before the engine's next step (:func:`~hybridkv.protocol.disconnect.until_done_or_gone`).
-With ``api_key`` set, every route but :data:`OPEN_PATHS` needs ``Authorization: Bearer KEY``;
-without it, 401 (``invalid_api_key``). CORS (``config.allowed_origins``, vLLM's default ``*``)
+With ``api_key`` set (one key or several), every route but :data:`OPEN_PATHS` needs
+``Authorization: Bearer KEY``; without it, 401 (``invalid_api_key``). A generation request's
+client (:mod:`hybridkv.server.clients`: a client id header, or which of several keys) takes
+one share of the running slots and is held to the per-client limits (429). CORS (``config.allowed_origins``, vLLM's default ``*``)
 wraps everything, so a browser's preflight ``OPTIONS`` is answered before the key is asked for.
 """
 
@@ -82,17 +84,21 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{where}: {first.get('msg', 'invalid value')}{more}", param
 
 
-def parse_body(model: Union[type[BaseModel], Callable[[Any], type[BaseModel]]], raw: bytes) -> BaseModel:
+def parse_body(model: Union[type[BaseModel], Callable[[Any], type[BaseModel]]], raw: bytes,
+               precheck: Callable[[Any], None] | None = None) -> BaseModel:
     """The request body as ``model``, as FastAPI would parse it (errors: RequestValidationError
     with FastAPI's ``("body", ...)`` locations; InvalidArgumentError for malformed JSON). A worker
     thread's job: a large body is never parsed on the event loop. ``model`` may be a function
-    of the parsed JSON that picks the model (``/tokenize``: a text or a chat)."""
+    of the parsed JSON that picks the model (``/tokenize``: a text or a chat); ``precheck(obj)``
+    runs on the parsed JSON before validation (cheap refusals: its error propagates)."""
     if not raw.strip():
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     try:
         obj = loads_json(raw)
     except ValueError as exc:
         raise InvalidArgumentError(str(exc)) from None
+    if precheck is not None:
+        precheck(obj)
     if not isinstance(model, type):
         model = model(obj)
     try:
@@ -110,6 +116,7 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
     """The app serving ``front``'s model as ``config.model_name`` (see the module docstring)."""
     offload = Offload()
     serving = OpenAIServing(front, config, offload)
+    clients = serving.clients
     tokenization = OpenAIServingTokenization(serving)
     render = OpenAIServingRender(serving)
     info = ReplicaInfo(front, config)
@@ -131,7 +138,8 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
     app.state.config = config
     app.state.metrics = metrics
     app.state.final_blocks = None
-    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)  # 413 before anything parses a body
+    # 413 before anything parses a body: its bytes, or more values than any request can use
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, max_values=serving.max_body_values)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -151,12 +159,13 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
     async def _bug(request: Request, exc: Exception):
         return _error_json(exc)
 
-    if config.api_key is not None:
+    if config.api_keys:
+        accepted = frozenset(f"Bearer {key}" for key in config.api_keys)
 
         @app.middleware("http")
         async def _auth(request: Request, call_next):
             if request.url.path not in OPEN_PATHS:
-                if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+                if request.headers.get("authorization", "") not in accepted:
                     return JSONResponse(
                         error_body("invalid or missing API key", "invalid_request_error", None, "invalid_api_key"),
                         status_code=401,
@@ -173,17 +182,17 @@ def create_app(front: AsyncLLM, config: ServerConfig, metrics: Any = None) -> Fa
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await offload.run(parse_body, CompletionRequest, await request.body())
-        return await _generate(request, serving.completions(body))
+        body = await offload.run(parse_body, CompletionRequest, await request.body(), serving.precheck_completion)
+        return await _generate(request, serving.completions(body, clients.identify(request.headers)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await offload.run(parse_body, ChatCompletionRequest, await request.body())
-        return await _generate(request, serving.chat(body))
+        return await _generate(request, serving.chat(body, clients.identify(request.headers)))
 
     @app.post("/v1/completions/render")
     async def completions_render(request: Request) -> Response:
-        body = await offload.run(parse_body, CompletionRequest, await request.body())
+        body = await offload.run(parse_body, CompletionRequest, await request.body(), serving.precheck_completion)
         return JSONResponse(await render.completions(body))
 
     @app.post("/v1/chat/completions/render")

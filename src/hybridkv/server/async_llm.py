@@ -38,7 +38,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from hybridkv.engine.llm import LLM, TextStream
 from hybridkv.errors import EngineFailedError, HybridKVError, InvalidArgumentError, ServiceUnavailableError
@@ -146,11 +146,15 @@ class AsyncLLM:
         *,
         logprobs: int | None = None,
         request_id: str | None = None,
+        share_key: str | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> Submission:
         """Queue ``prompts`` (token ids, one ``params`` each) as one submission; returns once
         the engine thread has added them all, or raises its typed error (none added). The
         engine's request ids are ``{request_id}-{i}`` per prompt (a response's id, as vLLM
-        names them; unique per submission), or ``req-{n}``."""
+        names them; unique per submission), or ``req-{n}``. ``share_key``: whose share of the
+        running slots they take (the scheduler's, :mod:`hybridkv.scheduler.shares`);
+        ``on_close``: called once when the submission closes."""
         if len(prompts) != len(params) or not prompts:
             raise InvalidArgumentError(f"{len(params)} sampling params for {len(prompts)} prompts")
         if not self._accepting:
@@ -163,9 +167,9 @@ class AsyncLLM:
                     retry_after=self.retry_after,
                 )
             self._pending += len(prompts)
-        sub = Submission(self._abort_submission, len(prompts))
+        sub = Submission(self._abort_submission, len(prompts), on_close)
         added: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._command(("add", sub, [list(p) for p in prompts], list(params), logprobs, request_id, added))
+        self._command(("add", sub, [list(p) for p in prompts], list(params), logprobs, request_id, share_key, added))
         try:
             await asyncio.shield(added)
         except asyncio.CancelledError:
@@ -243,7 +247,8 @@ class AsyncLLM:
             self._waiting = self.engine.scheduler.num_waiting
         return stop
 
-    def _add(self, sub: Submission, prompts, params, logprobs, base: str | None, fut: asyncio.Future) -> None:
+    def _add(self, sub: Submission, prompts, params, logprobs, base: str | None, share_key: str | None,
+             fut: asyncio.Future) -> None:
         engine, llm = self.engine, self.llm
         added: list[str] = []
         error: BaseException | None = None
@@ -251,7 +256,7 @@ class AsyncLLM:
             for index, (ids, sp) in enumerate(zip(prompts, params)):
                 self._ids += 1
                 rid = f"req-{self._ids}" if base is None else f"{base}-{index}"
-                engine.add_request(ids, sp, request_id=rid)
+                engine.add_request(ids, sp, request_id=rid, share_key=share_key)
                 added.append(rid)
                 self._live[rid] = LiveRequest(sub, index, TextStream(index, rid, ids, llm.tokenizer, sp), logprobs)
         except HybridKVError as exc:

@@ -12,6 +12,7 @@ exits with every block of the pool free.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from hybridkv.errors import InvalidConfigError
@@ -23,6 +24,7 @@ __all__ = ["ServerConfig", "SHUTDOWN_MODES", "TOOL_CALL_PARSERS"]
 SHUTDOWN_MODES = ("drain", "abort")
 #: the formats ``tool_choice: "auto"`` can parse calls out of (``--tool-call-parser``, vLLM's names)
 TOOL_CALL_PARSERS = ("hermes",)
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP header name (RFC 9110's token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +32,9 @@ class ServerConfig:
     model_name: str = "model"
     host: str = "127.0.0.1"
     port: int = 8000  # 0: an ephemeral port (the CLI prints the one it got)
-    api_key: str | None = None  # when set, every route but /health and /metrics needs ``Authorization: Bearer <key>``
+    #: when set (a key, or a tuple of keys: vLLM's ``--api-key``), every route but /health and /metrics needs
+    #: ``Authorization: Bearer <one of them>``; two or more tell clients apart (:mod:`hybridkv.server.clients`)
+    api_key: str | tuple[str, ...] | None = None
     max_waiting: int = 256
     max_prompts_per_request: int = 64  # a /v1/completions prompt list longer than this is refused
     shutdown: str = "drain"
@@ -46,6 +50,19 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ("*",)
     #: how ``tool_choice: "auto"`` finds calls in the output (``--tool-call-parser``); None: "auto" is a 400
     tool_call_parser: str | None = None
+    #: a header a gateway sets to the caller's id (``--client-id-header``): the client of
+    #: :mod:`hybridkv.server.clients` (its share of running slots, its limits)
+    client_id_header: str | None = None
+    #: one client's unfinished sequences (prompts × n) and their prompt tokens at most (429
+    #: past them); None: no limit. Needs clients told apart: ``client_id_header`` or two API keys
+    max_seqs_per_client: int | None = None
+    max_tokens_per_client: int | None = None
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The API keys, as a tuple (empty: none)."""
+        key = self.api_key
+        return () if key is None else (key,) if isinstance(key, str) else key
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -65,6 +82,20 @@ class ServerConfig:
                                      f"{self.tool_call_parser!r}")
         if not isinstance(self.allowed_origins, tuple) or not all(isinstance(o, str) and o for o in self.allowed_origins):
             raise InvalidConfigError(f"allowed_origins must be a tuple of non-empty str, got {self.allowed_origins!r}")
+        key = self.api_key
+        if key is not None and not (isinstance(key, str) and key or isinstance(key, tuple) and key
+                                    and all(isinstance(k, str) and k for k in key)):
+            raise InvalidConfigError(f"api_key must be a non-empty str or a tuple of them, got {key!r:.40}")
+        header = self.client_id_header
+        if header is not None and (not isinstance(header, str) or not _TOKEN.fullmatch(header)):
+            raise InvalidConfigError(f"client_id_header must be an HTTP header name, got {header!r:.40}")
+        for name in ("max_seqs_per_client", "max_tokens_per_client"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InvalidConfigError(f"{name} must be an int >= 1 or None, got {value!r}")
+            if value is not None and header is None and len(self.api_keys) < 2:
+                raise InvalidConfigError(f"{name} needs clients told apart: a client id header "
+                                         "(--client-id-header) or two or more API keys")
         if self.kv_events_hash not in HASH_FORMS:
             raise InvalidConfigError(f"kv_events_hash must be one of {HASH_FORMS}, got {self.kv_events_hash!r}")
         if self.kv_events_replay is not None and self.kv_events is None:

@@ -49,6 +49,7 @@ from hybridkv.protocol.openai import (
 )
 from hybridkv.sampling_params import MAX_LOGPROBS, SamplingParams, check_context
 from hybridkv.server.async_llm import AsyncLLM
+from hybridkv.server.clients import Clients
 from hybridkv.server.submission import Chunk, Submission, TokenLogprob
 from hybridkv.server.config import ServerConfig
 from hybridkv.server.logprobs import LogprobFormat
@@ -77,6 +78,12 @@ class OpenAIServing:
         self.logprobs = LogprobFormat(self.llm.tokenizer)
         self.max_model_len = front.engine.max_model_len
         self.created = int(time.time())
+        #: the most JSON values a request can use: each of ``max_prompts_per_request`` prompts at
+        #: ``max_model_len`` token ids, and a list of every token id (``stop_token_ids``, an enum); a
+        #: body with more is refused as it arrives (:class:`~hybridkv.protocol.limits.BodyLimit`)
+        self.max_body_values = config.max_prompts_per_request * self.max_model_len + self.llm.model.vocab_size
+        #: who a request is from, what each client holds (:mod:`hybridkv.server.clients`)
+        self.clients = Clients(config)
 
     # ------------------------------------------------------------ models
     def models(self) -> dict:
@@ -196,9 +203,10 @@ class OpenAIServing:
         param = "messages" if "messages" in body else "prompt"
         try:
             if "messages" in body:
-                ids = await self.offload.run(self.chat_prompt, ChatCompletionRequest(messages=body["messages"]))
+                ids = await self.offload.run(lambda: self.chat_prompt(ChatCompletionRequest(messages=body["messages"])))
             else:
-                ids = await self.offload.run(self._one_prompt, CompletionRequest(prompt=body["prompt"]))
+                self.precheck_completion(body)  # lengths only; validating the ids runs off the event loop
+                ids = await self.offload.run(lambda: self._one_prompt(CompletionRequest(prompt=body["prompt"])))
         except ValidationError as exc:
             err = exc.errors()[0]  # where, as the generation routes say it: messages.0.role
             where = ".".join(str(p) for p in err.get("loc", ())) if param == "messages" else param
@@ -226,15 +234,27 @@ class OpenAIServing:
         return n
 
     # ------------------------------------------------------------ completions
-    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        prompts = completion_prompt_list(req)
+    def check_prompt_sizes(self, prompts: list) -> None:
+        """Lengths only, before any id is looked at or any text tokenized: at most
+        ``max_prompts_per_request`` prompts, each list of token ids leaving room for an output token."""
         if len(prompts) > self.config.max_prompts_per_request:
             raise InvalidArgumentError(
                 f"{len(prompts)} prompts in one request; at most {self.config.max_prompts_per_request}", param="prompt"
             )
-        for x in prompts:  # token ids past the context: refused before any id is looked at, or any text tokenized
-            if not isinstance(x, str):
+        for x in prompts:
+            if isinstance(x, list):
                 check_context(len(x), 1, self.max_model_len)
+
+    def precheck_completion(self, obj: Any) -> None:
+        """:meth:`check_prompt_sizes` on a completions body's parsed JSON before it is validated
+        (validating 1M token ids costs what parsing them does, again)."""
+        prompt = obj.get("prompt") if isinstance(obj, dict) else None
+        if isinstance(prompt, list) and prompt:
+            self.check_prompt_sizes(prompt if isinstance(prompt[0], (list, str)) else [prompt])
+
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        prompts = completion_prompt_list(req)
+        self.check_prompt_sizes(prompts)
         ids = [self._encode(x, "prompt") for x in prompts]
         for x in ids:  # all of them before any is submitted
             check_token_ids(x, self.llm.model.vocab_size, param="prompt")
@@ -253,13 +273,13 @@ class OpenAIServing:
             params = [replace(p, prompt_logprobs=score) for p in params]
         return n, prompts, params
 
-    async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+    async def completions(self, req: CompletionRequest, client: str | None = None) -> dict | AsyncIterator[str]:
         n, prompts, params = await self.plan_completion(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
         # choice i * n + j: prompt i's sample j (seed + j); SamplingParams.samples: the prompt computed once
-        sub = await self.front.submit([p for p in prompts for _ in range(n)],
-                                      [q for p in params for q in replace(p, n=n).samples()],
-                                      logprobs=req.logprobs, request_id=rid)
+        sub = await self._submit([p for p in prompts for _ in range(n)],
+                                 [q for p in params for q in replace(p, n=n).samples()],
+                                 req.logprobs, rid, client, "n" if n > 1 else "prompt")
         echo = Echo(self.logprobs, req, prompts, n) if req.echo else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -315,11 +335,12 @@ class OpenAIServing:
             params = replace(params, prompt_logprobs=score)
         return n, plan, prompt, echo, params
 
-    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+    async def chat(self, req: ChatCompletionRequest, client: str | None = None) -> dict | AsyncIterator[str]:
         n, plan, prompt, echo, params = await self.plan_chat(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = await self.front.submit([prompt] * n, replace(params, n=n).samples(),
-                                      logprobs=(req.top_logprobs or 0) if req.logprobs else None, request_id=rid)
+        sub = await self._submit([prompt] * n, replace(params, n=n).samples(),
+                                 (req.top_logprobs or 0) if req.logprobs else None, rid, client,
+                                 "n" if n > 1 else "messages")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             streams: dict[int, ToolStream] = {}  # per choice, with tool calls
@@ -352,6 +373,19 @@ class OpenAIServing:
         if prompt_k is not None and chunk.prompt_logprobs is not None:  # vLLM's, in a choice's first chunk
             out["prompt_logprobs"] = self.logprobs.prompt_logprobs(chunk.prompt_logprobs, prompt_k)
         return out
+
+    async def _submit(self, prompts: list[list[int]], params: list[SamplingParams], logprobs: int | None, rid: str,
+                      client: str | None, param: str) -> Submission:
+        """Step 5: counted against ``client``'s limits (429 past them; released when the
+        submission closes), then submitted, taking ``client``'s share of the running slots
+        (none: the request's own)."""
+        release = self.clients.admit(client, len(prompts), sum(map(len, prompts)), param)
+        try:
+            return await self.front.submit(prompts, params, logprobs=logprobs, request_id=rid,
+                                           share_key=client if client is not None else rid, on_close=release)
+        except BaseException:
+            release()
+            raise
 
     # ------------------------------------------------------------ responses
     async def _stream(self, sub: Submission, rid: str, obj: str, choice, include_usage: bool,

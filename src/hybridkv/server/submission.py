@@ -58,10 +58,13 @@ class Chunk:
 
 class Submission:
     """The prompts of one HTTP request in the engine; iterate it for their chunks.
-    ``abort(sub)`` is called once, by :meth:`close`, while some prompt has not ended."""
+    ``abort(sub)`` is called once, by :meth:`close`, while some prompt has not ended;
+    ``on_close()`` once by :meth:`close` in any case."""
 
-    def __init__(self, abort: Callable[[Submission], None], num_prompts: int) -> None:
+    def __init__(self, abort: Callable[[Submission], None], num_prompts: int,
+                 on_close: Callable[[], None] | None = None) -> None:
         self._abort = abort
+        self._on_close = on_close
         self.queue: asyncio.Queue[Chunk] = asyncio.Queue()
         self.request_ids: list[str] = []  # set by the engine thread when it adds them
         self.num_prompts = num_prompts
@@ -89,6 +92,8 @@ class Submission:
             self.closed = True
             if not self.done:
                 self._abort(self)
+            if self._on_close is not None:
+                self._on_close()
 
 
 def deliver(items: list[tuple[Submission, Chunk]]) -> None:
