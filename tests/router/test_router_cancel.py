@@ -178,7 +178,9 @@ def replica(tiny_dir):
 
 @pytest.fixture
 def router(replica):
-    proc = HybridkvProcess(["--port", "0", "--health-interval", "0.3", "--replica", replica.base_url], command="route")
+    # --shutdown-timeout 0: SIGTERM ends what is in flight at once (the default gives it 30 s)
+    proc = HybridkvProcess(["--port", "0", "--health-interval", "0.3", "--replica", replica.base_url,
+                            "--shutdown-timeout", "0"], command="route")
     try:
         yield proc
     finally:
@@ -263,8 +265,8 @@ def test_a_stream_dropped_through_the_router_is_aborted_on_the_replica(replica, 
 @pytest.mark.live
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_a_router_stopped_mid_request_aborts_it_and_tells_the_client(replica, router, stream):
-    """SIGTERM to ``hybridkv route``: its connections to the replica close at once (the replica
-    aborts), the waiting client gets a 503 (a stream: an error event and ``[DONE]``), and the
+    """SIGTERM to ``hybridkv route --shutdown-timeout 0``: its connections to the replica close at
+    once (the replica aborts), the waiting client gets a 503 (a stream: an error event and ``[DONE]``), and the
     router exits by itself."""
     aborted_before = _gauges(replica.base_url)["aborted"]
     sock = _send(router.base_url, {**LONG, "stream": stream})

@@ -352,3 +352,28 @@ def test_route_times_out_a_lying_content_length():
         _check_live(router, "/v1/completions", (200, 503))  # 503 once a probe finds its replica down
     finally:
         router.kill()
+
+
+# ------------------------------------------------------------------ shutdown
+def test_shutdown_closes_requests_still_arriving_and_lets_complete_ones_finish():
+    """uvicorn's shutdown begins: a request whose body is half sent gets 503 and is closed at
+    once (its app sees a disconnect), a stream in flight runs to its end, an idle kept-alive
+    connection closes; all well inside the request deadline."""
+    with running(ConnectionLimits(request_timeout=30)) as (port, app, server):
+        half = _connect(port)
+        half.sendall(b"POST /half HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n0123456789")
+        stream = _connect(port)
+        stream.sendall(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
+        idle = _connect(port)
+        idle.sendall(GET)
+        assert _read_response(idle)[0] == 200
+        assert _wait(lambda: len(server.server_state.connections) == 3, 5)
+        t0 = time.monotonic()
+        server.should_exit = True  # what a signal does: the serve loop begins the shutdown
+        err = _error(_read_to_close(half, 3.0), 503)
+        assert err["type"] == "server_overloaded" and "shutting down" in err["message"]
+        assert time.monotonic() - t0 < 2.0
+        assert _wait(lambda: app.disconnects == ["/half"], 3)
+        assert _read_to_close(idle, 3.0) == b""
+        streamed = _read_to_close(stream, 5.0)
+        assert b"chunk7;" in streamed and streamed.endswith(b"0\r\n\r\n")  # the whole chunked body

@@ -180,7 +180,8 @@ def test_a_client_killed_mid_stream_aborts_its_request(serve):
 @pytest.mark.parametrize("mode", ["drain", "abort"])
 def test_sigterm_under_load(serve, mode):
     """SIGTERM once every stream has its first chunk: admission closes at once; drain lets
-    the streams finish, abort ends them; the process exits 0 with every block free."""
+    the streams finish, abort ends each with an error event (the openai SDK raises it); the
+    process exits 0 with every block free. (``--drain-timeout``: ``--shutdown-timeout``'s old name.)"""
     n = 12
     server = serve("--shutdown", mode, "--drain-timeout", "60")
     started: set[int] = set()
@@ -195,11 +196,14 @@ def test_sigterm_under_load(serve, mode):
     results = _load(server.base_url, n, lambda i: 120, on_first=on_first)
     assert signalled, "not every stream started"
     errors = [r for r in results if isinstance(r, BaseException)]
-    assert not errors, errors[:3]
-    reasons = {r[1] for r in results}
-    assert reasons == ({"length"} if mode == "drain" else {"abort"})
+    if mode == "drain":
+        assert not errors, errors[:3]
+        assert {r[1] for r in results} == {"length"}
+    else:
+        assert len(errors) == n and all(isinstance(e, openai.APIError) and "shutting down" in str(e) for e in errors), \
+            errors[:3]
     assert server.proc.wait(60) == 0
-    assert "stopped;" in server.stderr
+    assert "stopped;" in server.stderr and "Traceback" not in server.stderr
     free, usable = _final_blocks(server)
     assert free == usable
     with pytest.raises(httpx.TransportError):  # nothing listens any more

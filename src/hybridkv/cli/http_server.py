@@ -4,6 +4,7 @@ uvicorn's server with our ready line and SIGTERM handling."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import logging
@@ -14,7 +15,7 @@ import threading
 
 from hybridkv.errors import InvalidArgumentError, InvalidConfigError
 
-__all__ = ["add_connection_limits", "add_max_request_bytes", "bind_socket", "http_protocol",
+__all__ = ["add_connection_limits", "add_max_request_bytes", "add_shutdown_timeout", "bind_socket", "http_protocol",
            "require_server_dependencies", "uvicorn_server"]
 
 
@@ -55,6 +56,17 @@ def add_connection_limits(parser) -> None:
                              "(default 1024)")
 
 
+def add_shutdown_timeout(parser, what: str) -> None:
+    """``--shutdown-timeout`` (serve and route; serve also takes its old name ``--drain-timeout``)."""
+    from hybridkv.cli.options import finite_float
+
+    parser.add_argument("--shutdown-timeout", "--drain-timeout", dest="shutdown_timeout", type=finite_float(0.0),
+                        default=30.0, metavar="SECONDS",
+                        help=f"on SIGTERM or Ctrl-C: new requests get 503 at once, a request still arriving is "
+                             f"closed, {what} in flight get SECONDS to finish; then each is ended (a stream with an "
+                             f"error event) and the process exits (default 30)")
+
+
 def http_protocol(args):
     """uvicorn's ``http=`` protocol class for parsed ``args`` (:func:`add_connection_limits`)."""
     from hybridkv.protocol.connections import ConnectionLimits, limited_protocol
@@ -81,6 +93,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+#: seconds after the shutdown deadline's end of every request before the connections still open are closed
+CLOSE_AFTER_DEADLINE = 1.0
+
 #: routes load balancers and scrapers poll: their access lines are debug, not info
 PROBE_PATHS = ("/health", "/metrics")
 
@@ -102,11 +117,13 @@ def quiet_probe_logs(log_level: str) -> None:
         logging.getLogger("uvicorn.access").addFilter(QuietProbes())
 
 
-def uvicorn_server(uv_config, front, config, ready_line: str, on_exit=None):
-    """uvicorn's server, printing ``ready_line`` once it listens and turning SIGTERM into an
-    orderly stop: admission closed first, then drain (with a timer) or abort; with ``front``
-    None (the router's), ``on_exit()`` is called at the first signal instead (the router's
-    stop: its requests in flight end at once)."""
+def uvicorn_server(uv_config, ready_line: str, on_signal, on_deadline, shutdown_timeout: float):
+    """uvicorn's server, printing ``ready_line`` once it listens and turning the first SIGTERM
+    or SIGINT into an orderly stop: ``on_signal()`` at once (admission closed), uvicorn's
+    shutdown (no new connections; requests still arriving closed by
+    :class:`~hybridkv.protocol.connections.LimitedH11Protocol`; requests in flight go on), and
+    ``on_deadline()`` ``shutdown_timeout`` seconds later (what is left ended) unless the server
+    has stopped. Both callables must be safe from a signal handler and from a timer thread."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -125,21 +142,35 @@ def uvicorn_server(uv_config, front, config, ready_line: str, on_exit=None):
                     signal.signal(sig, handler)
 
         async def startup(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
             await super().startup(sockets)
             if self.started:
                 print(ready_line, file=sys.stderr, flush=True)
 
         def handle_exit(self, sig, frame):
-            if not self.should_exit and front is None and on_exit is not None:
-                on_exit()
-            if not self.should_exit and front is not None:
-                front.close_admission()
-                if config.shutdown == "abort":
-                    front.abort_all()
+            if not self.should_exit:
+                on_signal()
+                if shutdown_timeout <= 0:
+                    self.deadline()
                 else:
-                    timer = threading.Timer(config.drain_timeout, front.abort_all)
+                    timer = threading.Timer(shutdown_timeout, self.deadline)
                     timer.daemon = True
                     timer.start()
             super().handle_exit(sig, frame)
 
+        def deadline(self) -> None:
+            """End what is left; a second later close every connection still open (a client
+            that stopped reading would otherwise hold its response, and the process, open)."""
+            on_deadline()
+            loop = getattr(self, "loop", None)
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(loop.call_later, CLOSE_AFTER_DEADLINE, self.close_connections)
+
+        def close_connections(self) -> None:
+            for connection in list(self.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if transport is not None and not transport.is_closing():
+                    transport.close()
+
+    uv_config.timeout_graceful_shutdown = shutdown_timeout + 5  # a backstop: on_deadline ends everything first
     return Server(uv_config)

@@ -10,7 +10,10 @@
 directory; nothing is loaded but the tokenizer), so the router sees the token ids the
 replicas will. Replicas on other hosts are the same command with their addresses. Once it
 listens, one line on stderr: ``hybridkv route: listening on http://HOST:PORT (N replicas,
-policy P)``. Bad options, a bad replica address, a port in use: one line, exit 2.
+policy P)``. SIGTERM (or Ctrl-C): new requests and ``/health`` get 503, connections whose
+request is still arriving are closed, requests in flight get ``--shutdown-timeout`` seconds
+(30) to finish, then the rest end (a stream with an error event) and it exits 0. Bad
+options, a bad replica address, a port in use: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import argparse
 import logging
 import sys
 
-from hybridkv.cli.http_server import add_connection_limits, add_max_request_bytes
+from hybridkv.cli.http_server import add_connection_limits, add_max_request_bytes, add_shutdown_timeout
 from hybridkv.cli.options import finite_float, int_range
 from hybridkv.errors import InvalidConfigError
 
@@ -67,6 +70,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="seconds a replica's events may lag a response before its index is dropped (default 5)")
     add_max_request_bytes(p)
     add_connection_limits(p)
+    add_shutdown_timeout(p, "requests (streams through the router)")
     p.add_argument("--shadow-peek", action="store_true",
                    help="benchmarks: ask the chosen replica's manager at each decision too, reported in "
                         "x-hybridkv-resident-hit (default off)")
@@ -111,14 +115,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from hybridkv.router.app import create_router_app, stop_soon
+        from hybridkv.router.app import create_router_app, drain, stop_soon
 
         logging.basicConfig(level=args.log_level.upper(), format=f"{PREFIX}: %(levelname)s %(message)s")
         app = create_router_app(router)
         host, port = sock.getsockname()[:2]
         ready = f"{PREFIX}: listening on http://{host}:{port} ({len(specs)} replicas, policy {config.policy})"
         uv_config = uvicorn.Config(app, log_level=args.log_level, access_log=False, http=http_protocol(args))
-        server = uvicorn_server(uv_config, None, None, ready, on_exit=lambda: stop_soon(app))
+        server = uvicorn_server(uv_config, ready, lambda: drain(app), lambda: stop_soon(app), args.shutdown_timeout)
         server.run(sockets=[sock])
     finally:
         sock.close()

@@ -8,10 +8,11 @@ Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health
 ``/metrics``, vLLM's render and router routes (:mod:`hybridkv.server.app`). The app is
 :func:`hybridkv.server.build_app`'s, the one any embedder gets; this module parses flags around it. Once it listens, one line goes to stderr:
 ``hybridkv serve: listening on http://HOST:PORT (model NAME)``. SIGTERM (or Ctrl-C)
-stops admission (503 and ``/health`` 503), then ``--shutdown drain`` lets running
-requests finish for up to ``--drain-timeout`` seconds and aborts the rest, ``--shutdown
-abort`` aborts them at once; the process ends with one line giving the pool's free
-blocks (every block free: exit 0).
+stops admission (503 and ``/health`` 503) and closes connections whose request is still
+arriving, then ``--shutdown drain`` lets running requests finish for up to
+``--shutdown-timeout`` seconds and ends the rest (a stream with an error event, a whole
+response with 503), ``--shutdown abort`` ends them at once; the process ends with one
+line giving the pool's free blocks (every block free: exit 0).
 
 Bad options, a missing model or server package, a port in use: one line, exit 2, before
 or instead of serving.
@@ -28,6 +29,7 @@ from hybridkv.cli.engine_args import add_engine_options, check_kv_pool_fits, eng
 from hybridkv.cli.http_server import (
     add_connection_limits,
     add_max_request_bytes,
+    add_shutdown_timeout,
     bind_socket,
     http_protocol,
     quiet_probe_logs,
@@ -35,7 +37,7 @@ from hybridkv.cli.http_server import (
     uvicorn_server,
 )
 from hybridkv.cli.model_dir import resolve_model_source
-from hybridkv.cli.options import finite_float, int_range
+from hybridkv.cli.options import int_range
 from hybridkv.errors import InvalidArgumentError
 from hybridkv.protocol import HASH_FORMS
 from hybridkv.scheduler.config import ENGINE_MAX_NUM_SEQS
@@ -74,9 +76,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_max_request_bytes(p)
     add_connection_limits(p)
     p.add_argument("--shutdown", choices=("drain", "abort"), default="drain",
-                   help="on SIGTERM: let running requests finish, or abort them (default drain)")
-    p.add_argument("--drain-timeout", type=finite_float(0.0), default=30.0,
-                   help="seconds --shutdown drain waits before aborting what still runs (default 30)")
+                   help="on SIGTERM: let running requests finish (for --shutdown-timeout), or end them at once "
+                        "(default drain)")
+    add_shutdown_timeout(p, "requests")
     p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
                    help="publish KV cache events over ZMQ (vLLM's wire format), e.g. tcp://127.0.0.1:5557 (default: off)")
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
@@ -137,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         model_name=_model_name(args, source), host=args.host, port=args.port,
         api_key=None if args.api_key is None else tuple(args.api_key), client_id_header=args.client_id_header,
         max_seqs_per_client=args.max_seqs_per_client, max_tokens_per_client=args.max_tokens_per_client,
-        max_waiting=args.max_waiting, shutdown=args.shutdown, drain_timeout=args.drain_timeout,
+        max_waiting=args.max_waiting, shutdown=args.shutdown, shutdown_timeout=args.shutdown_timeout,
         max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,
         kv_events=args.kv_events, kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic,
         kv_events_hash=args.kv_events_hash, allowed_origins=args.allowed_origins,
@@ -174,10 +176,11 @@ def _serve(args: argparse.Namespace, config, source, sock: socket.socket) -> int
         ready += f"; KV events on {publisher.endpoint}"
         if publisher.replay_endpoint is not None:
             ready += f", replay on {publisher.replay_endpoint}"
-    uv_config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=int(config.drain_timeout) + 5,
-                               access_log=args.log_level in ("debug", "info"), http=http_protocol(args))
+    uv_config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
+                               http=http_protocol(args))
     quiet_probe_logs(args.log_level)
-    server = uvicorn_server(uv_config, front, config, ready)
+    deadline = 0.0 if config.shutdown == "abort" else config.shutdown_timeout
+    server = uvicorn_server(uv_config, ready, front.close_admission, front.abort_for_shutdown, deadline)
     server.run(sockets=[sock])
     if app.state.final_blocks is None:
         print(f"{PREFIX}: error: the server did not start", file=sys.stderr)

@@ -18,6 +18,10 @@ between requests and stops at the next request's first byte):
   closes (uvicorn's rule, kept; also armed when a body ends after an early response).
 * **max_connections**: a connection made while ``max_connections`` are open gets ``503``
   (``Retry-After: 1``, ``Connection: close``) at once and is closed; no app runs.
+* **shutdown**: when the server begins to shut down, a request whose body has not all
+  arrived can never be admitted: its connection gets ``503`` (no response begun) and is
+  closed at once, the app awaiting the body sees ``http.disconnect``. uvicorn's own rule
+  for the rest is kept: idle connections close, requests in flight finish (no keep-alive).
 
 Timers are cancelled when the connection is lost; nothing here writes a traceback.
 
@@ -162,16 +166,33 @@ class LimitedH11Protocol(H11Protocol):
         self._deadline = None
         if self.transport.is_closing():
             return
+        timeout = f"{self.limits.request_timeout:g}"
+        log.info("408: a request did not arrive within %s s (--request-timeout)", timeout)
+        self._close_unfinished(_raw_response(
+            408, f"the request's headers and body did not arrive within {timeout} seconds (--request-timeout)",
+            "invalid_request_error"))
+
+    def shutdown(self) -> None:
+        """The server begins to shut down (see the module docstring)."""
+        cycle = self.cycle
+        if (not self._refused and cycle is not None and not cycle.response_complete
+                and self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing()):
+            log.info("503: closed a connection whose request had not all arrived (shutting down)")
+            self._cancel()
+            self._close_unfinished(_raw_response(503, "the server is shutting down", "server_overloaded",
+                                                 "retry-after: 1"))
+            return
+        super().shutdown()
+
+    def _close_unfinished(self, response: bytes) -> None:
+        """Close a connection whose request has not all arrived: the app awaiting its body
+        sees ``http.disconnect``; the client gets ``response`` unless a response has begun."""
         cycle = self.cycle
         if cycle is not None and self.conn.their_state is h11.SEND_BODY and not cycle.response_complete:
             cycle.disconnected = True  # the app awaiting the body sees http.disconnect
             cycle.message_event.set()
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # no response begun
-            timeout = f"{self.limits.request_timeout:g}"
-            log.info("408: a request did not arrive within %s s (--request-timeout)", timeout)
-            self.transport.write(_raw_response(
-                408, f"the request's headers and body did not arrive within {timeout} seconds (--request-timeout)",
-                "invalid_request_error"))
+            self.transport.write(response)
         self.transport.close()
 
 

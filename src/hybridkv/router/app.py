@@ -23,10 +23,12 @@ event and ``[DONE]``). Every error is OpenAI's JSON error body.
 A client that goes away, streaming or not, closes its request's connection to the replica
 (whose server then aborts the request): a non-streaming one is noticed within
 :data:`~hybridkv.protocol.disconnect.POLL_SECONDS` (:func:`~hybridkv.protocol.disconnect.until_done_or_gone`),
-a stream at its next chunk. When the router stops (:func:`stop_soon`, which ``hybridkv
-route`` calls at SIGTERM or SIGINT, or the end of the app's lifespan), :meth:`Router.stop` closes its connections
-to the replicas at once: the replicas abort what was in flight, and each waiting client
-gets a 503 (a stream: an SSE error event and ``[DONE]``) instead of waiting for it.
+a stream at its next chunk. At SIGTERM or SIGINT ``hybridkv route`` first drains
+(:func:`drain`: new requests and ``/health`` get 503 while those in flight go on), then,
+at its ``--shutdown-timeout``, stops the router (:func:`stop_soon`, also at the end of the
+app's lifespan): :meth:`Router.stop` closes its connections to the replicas at once: the
+replicas abort what was in flight, and each waiting client gets a 503 (a stream: an SSE
+error event and ``[DONE]``) instead of waiting for it.
 Every request counts once in ``hybridkv_router_requests{outcome}``: ``ok``, ``rejected``
 (a 4xx), ``error``, ``connect_error`` (retried elsewhere), ``client_gone`` or
 ``router_stopped``; ``in_flight`` counts it until then.
@@ -56,7 +58,7 @@ from hybridkv.protocol.limits import BodyLimit, Offload, loads_json
 from hybridkv.router.replica import Replica
 from hybridkv.router.router import Router
 
-__all__ = ["create_router_app", "stop_soon"]
+__all__ = ["create_router_app", "drain", "stop_soon"]
 
 log = logging.getLogger("hybridkv.router")
 
@@ -114,10 +116,11 @@ def create_router_app(router: Router) -> FastAPI:
                 stopping.append(asyncio.ensure_future(router.stop()))
 
         app.state.stop_soon = lambda: loop.call_soon_threadsafe(stop)
+        app.state.drain = router.drain  # a flag: safe from a signal handler
         try:
             yield
         finally:
-            app.state.stop_soon = None
+            app.state.stop_soon = app.state.drain = None
             stop()
             await stopping[0]
             offload.close()
@@ -140,7 +143,7 @@ def create_router_app(router: Router) -> FastAPI:
                       {"Retry-After": str(router.config.retry_after)})
 
     async def proxy(request: Request, path: str, chat: bool) -> Response:
-        if router.stopping:
+        if router.refusing:
             return shutting_down()
         raw = await request.body()  # all of it before until_done_or_gone reads the ASGI messages
         answer = await until_done_or_gone(request, forward(raw, _forwarded(request), path, chat))
@@ -239,7 +242,7 @@ def create_router_app(router: Router) -> FastAPI:
         which any replica answers alike (they serve one model). A replica that refuses the
         connection is marked down and the next one asked, as is one that fails mid-way (the
         routes change nothing); none up: 503 with ``Retry-After``; all failing: 502."""
-        if router.stopping:
+        if router.refusing:
             return shutting_down()
         raw = await request.body() if method == "POST" else None
         failed: list[str] = []
@@ -295,6 +298,8 @@ def create_router_app(router: Router) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if router.refusing:
+            return JSONResponse({"status": "shutting_down", "replicas_up": 0}, status_code=503)
         up = len(router.candidates())
         return JSONResponse({"status": "ok" if up else "no_replica", "replicas_up": up}, status_code=200 if up else 503)
 
@@ -371,6 +376,14 @@ class _Relay(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.exchange.close(self.outcome)
+
+
+def drain(app: FastAPI) -> None:
+    """Refuse new requests on the router of ``app`` while those in flight go on (the first
+    signal of a shutdown with a deadline; :func:`stop_soon` at the deadline)."""
+    drain_ = getattr(app.state, "drain", None)
+    if drain_ is not None:
+        drain_()
 
 
 def stop_soon(app: FastAPI) -> None:

@@ -108,6 +108,8 @@ class Router:
         self.decision_seconds = 0.0
         #: set by :meth:`stop`: no new request goes out, and those in flight are ending
         self.stopping = False
+        #: new requests refused (503) while those in flight finish: :meth:`drain`
+        self.draining = False
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -127,6 +129,16 @@ class Router:
 
         return ReplicaEvents(r.name, r.spec.events, r.spec.replay, on_batch=r.on_events,
                              on_reset=lambda reason, r=r: r.reset_index(reason, counted=reason != "resync"))
+
+    def drain(self) -> None:
+        """Refuse new requests (503 ``Retry-After``, ``/health`` 503) while those in flight go on:
+        the first step of a shutdown with a deadline (:meth:`stop` at the deadline ends the rest)."""
+        self.draining = True
+
+    @property
+    def refusing(self) -> bool:
+        """Whether a new request is refused: draining or stopped."""
+        return self.draining or self.stopping
 
     async def stop(self) -> None:
         """Stop probing and reading events, and close the HTTP client: that closes every connection

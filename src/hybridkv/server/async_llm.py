@@ -101,7 +101,14 @@ class AsyncLLM:
 
     def abort_all(self) -> None:
         """Abort every request queued or running (their streams end with ``abort``)."""
-        self._command(("abort_all",))
+        self._command(("abort_all", None))
+
+    def abort_for_shutdown(self) -> None:
+        """End every request queued or running with ServiceUnavailableError ("the server is
+        shutting down": a stream's error event, a whole response's 503). Thread- and signal-safe."""
+        self.close_admission()
+        self._command(("abort_all", ServiceUnavailableError("the server is shutting down: the request was ended "
+                                                            "at the shutdown deadline", retry_after=self.retry_after)))
 
     @property
     def num_unfinished(self) -> int:
@@ -240,7 +247,7 @@ class AsyncLLM:
             elif kind == "peek":
                 self._peek(*cmd[1:])
             elif kind == "abort_all":
-                self._abort(list(self._live))
+                self._abort(list(self._live), cmd[1])
             elif kind == "stop":
                 stop = True
         with self._lock:
@@ -280,13 +287,17 @@ class AsyncLLM:
         except Exception as exc:  # bad ids: the caller's error
             self._resolve(fut, exc)
 
-    def _abort(self, rids: list[str]) -> None:
+    def _abort(self, rids: list[str], error: BaseException | None = None) -> None:
+        """Abort ``rids``: each stream ends with its final (``abort``) chunk, or with ``error``."""
         items = []
         for rid in rids:
             out = self.engine.abort_request(rid)
             live = self._live.pop(rid)
-            text, _ = live.text.feed((), True)
-            items.append((live.sub, Chunk(live.index, text, (), None, self.llm.finish(live.text, out, False))))
+            if error is not None:
+                items.append((live.sub, Chunk(live.index, "", (), error=error)))
+            else:
+                text, _ = live.text.feed((), True)
+                items.append((live.sub, Chunk(live.index, text, (), None, self.llm.finish(live.text, out, False))))
             report_finished(self.metrics, live, out)
         self._send(items)
 

@@ -5,9 +5,10 @@
 ``max_waiting`` bounds the requests queued but not yet running (submitted ones the
 engine thread has not taken in count too); past it a request gets 503 with
 ``Retry-After``. ``shutdown`` says what SIGTERM does to requests already running:
-``"drain"`` lets them finish (at most ``drain_timeout`` seconds, then aborts what is
-left), ``"abort"`` ends them at once. Either way admission stops first and the process
-exits with every block of the pool free.
+``"drain"`` lets them finish (at most ``shutdown_timeout`` seconds, then aborts what is
+left: a stream ends with an error event, a whole response is a 503), ``"abort"`` ends
+them so at once. Either way admission stops first, a request still arriving is closed
+with 503, and the process exits with every block of the pool free.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class ServerConfig:
     max_waiting: int = 256
     max_prompts_per_request: int = 64  # a /v1/completions prompt list longer than this is refused
     shutdown: str = "drain"
-    drain_timeout: float = 30.0
+    shutdown_timeout: float = 30.0  # seconds "drain" gives requests in flight (``--shutdown-timeout``)
     retry_after: int = 1  # seconds, in 503 responses
     kv_events: str | None = None  # ZMQ endpoint to publish KV events on, e.g. tcp://127.0.0.1:5557
     kv_events_replay: str | None = None  # ZMQ ROUTER endpoint answering replay requests
@@ -75,8 +76,9 @@ class ServerConfig:
                 raise InvalidConfigError(f"{name} must be an int >= 1, got {value!r}")
         if self.shutdown not in SHUTDOWN_MODES:
             raise InvalidConfigError(f"shutdown must be one of {SHUTDOWN_MODES}, got {self.shutdown!r}")
-        if not isinstance(self.drain_timeout, (int, float)) or not 0 <= self.drain_timeout < float("inf"):
-            raise InvalidConfigError(f"drain_timeout must be a finite number >= 0, got {self.drain_timeout!r}")
+        t = self.shutdown_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+            raise InvalidConfigError(f"shutdown_timeout must be a finite number >= 0, got {t!r}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise InvalidConfigError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS} or None, got "
                                      f"{self.tool_call_parser!r}")

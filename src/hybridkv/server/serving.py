@@ -35,7 +35,13 @@ from typing import Any, AsyncIterator
 
 from pydantic import ValidationError
 
-from hybridkv.errors import EngineFailedError, InvalidArgumentError, ModelNotFoundError, PromptTooLongError
+from hybridkv.errors import (
+    EngineFailedError,
+    InvalidArgumentError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    ServiceUnavailableError,
+)
 from hybridkv.protocol.limits import Offload
 from hybridkv.protocol.openai import (
     ChatCompletionRequest,
@@ -59,6 +65,15 @@ from hybridkv.tokenizer.prompts import check_token_ids, encode_prompt, min_token
 
 __all__ = ["OpenAIServing", "sse"]
 
+
+
+def _error_event(error: BaseException) -> dict:
+    """A stream's error event for a prompt that ended with ``error``: the shutdown deadline's
+    503, else an engine failure's 500 (without its detail)."""
+    if isinstance(error, ServiceUnavailableError):
+        return {"error": {"message": str(error), "type": "server_overloaded", "param": None, "code": 503}}
+    return {"error": {"message": "the engine failed while running this request", "type": "server_error",
+                      "param": None, "code": 500}}
 
 
 def sse(obj: Any) -> str:
@@ -396,8 +411,7 @@ class OpenAIServing:
         try:
             async for chunk in sub:
                 if chunk.error is not None:
-                    yield sse({"error": {"message": "the engine failed while running this request", "type": "server_error",
-                                         "param": None, "code": 500}})
+                    yield sse(_error_event(chunk.error))
                     continue
                 first = chunk.index not in started
                 started.add(chunk.index)
@@ -424,6 +438,8 @@ class OpenAIServing:
         try:
             async for chunk in sub:
                 if chunk.error is not None:
+                    if isinstance(chunk.error, ServiceUnavailableError):  # ended at the shutdown deadline: 503
+                        raise chunk.error
                     raise EngineFailedError("the engine failed while running this request") from chunk.error
                 texts.setdefault(chunk.index, []).append(chunk.text)
                 if chunk.logprobs is not None:
