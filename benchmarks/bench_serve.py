@@ -32,6 +32,10 @@ Default: Gemma 3 270M (the bundled GGUF, fp32), prompts of 128 tokens, 64 new to
 ``--quick``: the tiny random Gemma 3 of the tests (sliding window 12 + full layers, with
 the tests' character tokenizer, built in a temp dir), 32-token prompts, 16 new tokens,
 ``c`` requests (at least 4), 2 rounds: a few seconds.
+
+``--noisy-neighbour`` runs :mod:`_noisy` instead: a well-behaved stream's TTFT and
+inter-token p99 alone and beside a hostile client (requests asking for every slot, a
+barrage of 8 MB bodies), as ratios.
 """
 
 from __future__ import annotations
@@ -234,7 +238,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="requests per concurrency and round (default max(2c, 8); --quick max(c, 4))")
     ap.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: all cores)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--noisy-neighbour", action="store_true",
+                    help="instead: a well-behaved stream alone and beside a hostile client (benchmarks/_noisy.py)")
+    ap.add_argument("--hostile", default="slots,bodies", help="with --noisy-neighbour: slots, bodies (default both)")
+    ap.add_argument("--body-rate", type=float, default=40.0,
+                    help="with --noisy-neighbour: 8 MB bodies a second at most (default 40; 0: back to back)")
     args = ap.parse_args(argv)
+    if args.noisy_neighbour:
+        return noisy_neighbour(args)
 
     threads = args.threads or os.cpu_count() or 1
     os.environ["OMP_NUM_THREADS"] = str(threads)  # before torch loads: as the server's process gets it
@@ -307,6 +318,31 @@ def main(argv: list[str] | None = None) -> int:
         if 32 in ratios:
             verdict = "meets" if ratios[32] <= 1.15 else "misses"
             print(f"server overhead at c=32: {ratios[32]:.3f}x the offline time ({verdict} the 1.15x target)")
+    return 0
+
+
+def noisy_neighbour(args) -> int:
+    """``--noisy-neighbour``: :mod:`_noisy` against one server (SmolLM2, 64 slots; --quick: the tiny model, 16)."""
+    from _noisy import HOSTILE_KINDS, run_noisy
+
+    kinds = [k for k in args.hostile.split(",") if k]
+    if not kinds or any(k not in HOSTILE_KINDS for k in kinds):
+        raise SystemExit(f"--hostile: a comma-separated list of {HOSTILE_KINDS}, got {args.hostile!r}")
+    threads = args.threads or os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="bench-noisy-") as tmp:
+        model = args.model or (str(make_tiny_dir(Path(tmp))) if args.quick else "smollm2-135m")
+        seqs = 16 if args.quick else 64
+        server = HybridkvProcess([model, "--port", "0", "--served-model-name", "bench", "--max-num-seqs", str(seqs),
+                                  "--max-model-len", "256" if args.quick else "2048"], command="serve",
+                                 threads=threads, error=SystemExit, ready_timeout=READY_TIMEOUT,
+                                 stop_timeout=STOP_TIMEOUT)
+        print(f"model {model}, max_num_seqs {seqs}, {threads} torch threads; server at {server.base_url}")
+        try:
+            run_noisy(server, "bench", seqs, args.rounds or (1 if args.quick else 3), args.max_tokens or 16, kinds,
+                      args.body_rate)
+        finally:
+            code = server.stop()
+        print(f"server exit code {code}; {server.lines[-1].strip() if server.lines else ''}")
     return 0
 
 

@@ -175,3 +175,21 @@ def test_random_keyed_workloads_share_slots_and_stay_work_conserving(seed, max_s
     assert s.num_share_preemptions < 40
     for rid, tokens in outputs.items():  # preempted or not, each produced its own tokens, all of them
         assert tokens == [fake_token(rid, i) for i in range(wanted[rid])]
+
+
+def test_a_sequence_preempted_after_its_slots_were_allocated_leaves_no_unwritten_block_cached():
+    """a1's decode token this step completes its second block, whose hash allocation cached;
+    a1 is then preempted for B before the step runs: that block must lose its address (its
+    last position was never written), while the block written at step 0 stays a hit."""
+    s, runner = make(max_seqs=2), FakeRunner()
+    s.add_request("a0", [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=9), share_key="a")
+    s.add_request("a1", [11, 12, 13, 14, 15, 16, 17], SamplingParams(max_tokens=9), share_key="a")
+    s.step(runner)  # both prefilled (7 tokens) and sampled one: 8 tokens each, 7 written
+    a1_tokens = list(s.sequences["a1"].request.all_token_ids)
+    s.add_request("b", [21, 22, 23], SamplingParams(max_tokens=2), share_key="b")
+    out = s.schedule()
+    assert out.preempted_request_ids == ("a1",) and "a1" not in [r.request_id for r in out.scheduled]
+    s.update_from_output(out, runner.execute(out))
+    s.check_invariants()
+    assert s.kv.peek_prefix_hit(a1_tokens + [99]) == 4  # block 0 (written at step 0), not block 1
+    run(s, runner)

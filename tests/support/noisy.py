@@ -51,10 +51,10 @@ async def stream_once(client, body: dict) -> StreamTimes:
     return StreamTimes(times[0] - t0, [b - a for a, b in zip(times, times[1:])])
 
 
-async def hostile_stream(client, body: dict, started=None) -> list[float]:
-    """Stream ``body`` (many prompts); each chunk's arrival time. ``started`` (an asyncio.Event)
-    is set at the first chunk."""
-    times: list[float] = []
+async def hostile_stream(client, body: dict, started=None, times: list[float] | None = None) -> list[float]:
+    """Stream ``body`` (many prompts); each chunk's arrival time, appended to ``times`` as it
+    comes (kept if the task is cancelled). ``started`` (an asyncio.Event) is set at the first chunk."""
+    times = [] if times is None else times
     async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         if r.status_code != 200:
             raise AssertionError(f"{r.status_code}: {(await r.aread())[:300]!r}")

@@ -57,7 +57,7 @@ def add_connection_limits(parser) -> None:
 
 
 def add_shutdown_timeout(parser, what: str) -> None:
-    """``--shutdown-timeout`` (serve and route; serve also takes its old name ``--drain-timeout``)."""
+    """``--shutdown-timeout`` (serve and route; ``--drain-timeout``, serve's old name for it, is taken too)."""
     from hybridkv.cli.options import finite_float
 
     parser.add_argument("--shutdown-timeout", "--drain-timeout", dest="shutdown_timeout", type=finite_float(0.0),

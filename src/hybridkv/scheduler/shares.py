@@ -12,7 +12,8 @@ has a key, admission favours the keys running fewest instead of first come, firs
   (``max_num_seqs`` running, or the pool cannot hold it), the most recently admitted
   running sequence of the key running the most is preempted, if that key runs two or
   more (recomputed later: nothing is lost; if this step had scheduled it, its tokens go
-  back to the budget), and admission tries again. So every key gets its first slot at
+  back to the budget and the blocks its allocation addressed lose their address, as
+  they will not be written), and admission tries again. So every key gets its first slot at
   the next step, at the cost of one preemption; further slots go to the key running
   fewest as running sequences finish. Evening out more by preemption (a second 64-prompt
   request taking 32 slots from the first at once) would recompute 32 sequences in one
@@ -50,7 +51,7 @@ def share_of(seq: Sequence) -> str:
 
 class FairShare:
     """Mixed into the Scheduler, whose ``__init__`` sets the attributes used here (``running``,
-    ``waiting``, ``num_keyed``, ``num_share_preemptions``) and which has ``_preempt``."""
+    ``waiting``, ``kv``, ``num_keyed``, ``num_share_preemptions``) and which has ``_preempt``."""
 
     __slots__ = ()
 
@@ -96,9 +97,10 @@ class FairShare:
         self.running.remove(victim)
         shares[share_of(victim)] -= 1
         freed = 0
-        for i, (scheduled, _, num_new) in enumerate(work):
-            if scheduled is victim:
-                del work[i]
+        for i, (scheduled, computed, num_new) in enumerate(work):
+            if scheduled is victim:  # its slots were allocated this step, and full blocks' hashes cached:
+                del work[i]  # the step will not write them, so they lose their address first
+                self.kv.uncache_unwritten(victim.request, computed)
                 freed = num_new
                 break
         self._preempt(victim)
