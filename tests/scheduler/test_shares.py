@@ -193,3 +193,27 @@ def test_a_sequence_preempted_after_its_slots_were_allocated_leaves_no_unwritten
     s.check_invariants()
     assert s.kv.peek_prefix_hit(a1_tokens + [99]) == 4  # block 0 (written at step 0), not block 1
     run(s, runner)
+
+
+def test_room_is_made_before_anything_is_admitted_so_no_newcomer_hits_unwritten_blocks():
+    """V1, V2 (key v) run with one slot free; V2's prefill chunk this step completes its
+    second block, which its allocation addresses. W (key w, V2's prompt as its prefix) and
+    S (key s) arrive: one slot must be made, and it is made before W is admitted, so V2 is
+    preempted first and W hits only V2's block written at an earlier step (made later, W
+    would have hit a block this step never writes)."""
+    s, runner = make(max_seqs=3, budget=6), FakeRunner()
+    prefix = list(range(100, 112))
+    s.add_request("V1", [1, 2, 3], SamplingParams(max_tokens=20), share_key="v")
+    s.add_request("V2", prefix, SamplingParams(max_tokens=20), share_key="v")
+    s.step(runner)  # V1's 3 tokens and V2's first 3 (budget 6)
+    s.step(runner)  # V1 decodes, V2 computes 3..7: its block 0 (0-3) written; block 1 (4-7) written
+    assert s.sequences["V2"].request.num_computed_tokens == 8
+    s.add_request("W", prefix + [7, 7, 7], SamplingParams(max_tokens=2), share_key="w")
+    s.add_request("S", [9, 9], SamplingParams(max_tokens=2), share_key="s")
+    out = s.schedule()  # V2's chunk 8..11 would complete block 2; V2 is the victim
+    assert out.preempted_request_ids == ("V2",)
+    w = s.sequences["W"]
+    assert w.status.value == "running" and w.num_cached_tokens == 8  # blocks 0-1, written; not block 2
+    s.update_from_output(out, runner.execute(out))
+    s.check_invariants()
+    run(s, runner)

@@ -137,3 +137,37 @@ def test_random_admits_and_releases_keep_exact_counts(ops, max_seqs, max_tokens)
         for who, (k, t) in model.items():
             counted = (max_seqs is not None or max_tokens is not None)
             assert clients.held(who) == ((k, t) if counted else (0, 0))
+
+
+def test_serve_takes_several_api_keys_by_repeating_the_flag():
+    import argparse
+
+    from hybridkv.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--api-key", "a", "m", "--api-key", "b", "--max-seqs-per-client", "3"])
+    assert args.model == "m" and args.api_key == ["a", "b"] and args.max_seqs_per_client == 3
+    assert _config(api_key=tuple(args.api_key), max_seqs_per_client=3).api_keys == ("a", "b")
+
+
+def test_a_submission_is_released_once_its_prompts_end_even_if_nobody_reads_it():
+    """A response whose reader never started (a client gone in a race) still uncounts its
+    client: the last prompt's end reaching the loop releases the submission; close later
+    does not release twice, and an early close releases once."""
+    from hybridkv.server.submission import Chunk, Submission, deliver
+
+    calls = []
+    sub = Submission(lambda s: None, 3, on_close=lambda: calls.append(1))
+    final = object()
+    deliver([(sub, Chunk(0, "a", (1,))), (sub, Chunk(0, "", (), final=final)), (sub, Chunk(1, "", (), final=final))])
+    assert calls == []
+    deliver([(sub, Chunk(2, "", (), error=RuntimeError("x")))])
+    assert calls == [1]
+    sub.close()
+    assert calls == [1]
+    aborted = []
+    early = Submission(lambda s: aborted.append(s), 2, on_close=lambda: calls.append(2))
+    early.close()
+    deliver([(early, Chunk(0, "", (), final=final)), (early, Chunk(1, "", (), final=final))])
+    assert calls == [1, 2] and aborted == [early]

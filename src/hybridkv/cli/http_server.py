@@ -147,15 +147,22 @@ def uvicorn_server(uv_config, ready_line: str, on_signal, on_deadline, shutdown_
             if self.started:
                 print(ready_line, file=sys.stderr, flush=True)
 
+        def run(self, sockets=None):
+            try:
+                return super().run(sockets=sockets)
+            finally:
+                if self.timer is not None:  # stopped before the deadline: nothing left to end
+                    self.timer.cancel()
+
         def handle_exit(self, sig, frame):
             if not self.should_exit:
                 on_signal()
                 if shutdown_timeout <= 0:
                     self.deadline()
                 else:
-                    timer = threading.Timer(shutdown_timeout, self.deadline)
-                    timer.daemon = True
-                    timer.start()
+                    self.timer = threading.Timer(shutdown_timeout, self.deadline)
+                    self.timer.daemon = True
+                    self.timer.start()
             super().handle_exit(sig, frame)
 
         def deadline(self) -> None:
@@ -163,8 +170,10 @@ def uvicorn_server(uv_config, ready_line: str, on_signal, on_deadline, shutdown_
             that stopped reading would otherwise hold its response, and the process, open)."""
             on_deadline()
             loop = getattr(self, "loop", None)
-            if loop is not None and not loop.is_closed():
+            try:
                 loop.call_soon_threadsafe(loop.call_later, CLOSE_AFTER_DEADLINE, self.close_connections)
+            except (AttributeError, RuntimeError):  # no loop yet, or it has closed: nothing is open
+                pass
 
         def close_connections(self) -> None:
             for connection in list(self.server_state.connections):
@@ -173,4 +182,6 @@ def uvicorn_server(uv_config, ready_line: str, on_signal, on_deadline, shutdown_
                     transport.close()
 
     uv_config.timeout_graceful_shutdown = shutdown_timeout + 5  # a backstop: on_deadline ends everything first
-    return Server(uv_config)
+    server = Server(uv_config)
+    server.timer = None
+    return server

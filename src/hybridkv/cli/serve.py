@@ -57,10 +57,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--port", type=int_range(0, 65535), default=8000, help="port; 0 picks a free one (default 8000)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in the API (default: MODEL as given, or its directory's name)")
-    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' (one of the keys given) on every route but /health, "
-                        "/metrics, /get_load and /version (default: none); two or more keys tell clients apart "
-                        "(their shares and --max-*-per-client limits)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, /get_load and "
+                        "/version (default: none); repeat it for several keys, which tell clients apart (their "
+                        "shares and --max-*-per-client limits)")
     p.add_argument("--client-id-header", default=None, metavar="NAME",
                    help="the header a gateway in front sets to the caller's id (e.g. X-Client-Id): requests with "
                         "one id share one client's running slots and limits; requests without it are one "

@@ -16,7 +16,7 @@ unclosed string. Malformed JSON is counted as well as it can be; the parser refu
 later.
 
 Example: ``{"prompt": [1, 2, 3], "stop": ["a,b"]}`` fed as ``{"prompt": [1, 2`` and
-``, 3], "stop": ["a,b"]}``: 1, then 4 (the comma inside ``"a,b"`` is not counted).
+``, 3], "stop": ["a,b"]}``: 1, then 3 (the comma inside ``"a,b"`` is not counted).
 """
 
 from __future__ import annotations

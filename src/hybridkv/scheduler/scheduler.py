@@ -239,18 +239,15 @@ class Scheduler(FaultIsolation, FairShare):
 
     def _admit_waiting(self, budget: int, work: list, preempted: list) -> None:
         """Step 2 of the module docstring: admit waiting requests while budget, slots and
-        blocks allow (the next one :meth:`_pick`'s; room made for it by :meth:`_make_room`)."""
+        blocks allow (the next one :meth:`_pick`'s; with share keys, room made first by
+        :meth:`_make_room`, before anything is admitted)."""
         kv = self.kv
         full_prompt = self.config.admission == "full_prompt"
         shares = self._share_counts()
-        while self.waiting and budget > 0:
+        if shares is not None:
+            budget += self._make_room(shares, work, preempted)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._pick(shares)
-            if len(self.running) >= self.config.max_num_seqs:
-                freed = self._make_room(seq, shares, work, preempted)
-                if freed is None:
-                    break
-                budget += freed
-                continue
             req = seq.request
             hit_blocks, num_hit = self._prefix_hit(seq)
             num_new = kv.align_num_new_tokens(req, num_hit, min(req.num_tokens - num_hit, budget),
@@ -260,10 +257,6 @@ class Scheduler(FaultIsolation, FairShare):
             fits = not full_prompt or self.blocks_to_admit(req, hit_blocks, num_hit) <= kv.num_free_blocks
             if not fits or kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
                 if kv.pins.unpin_last(keep=req.request_id):  # the queue's head goes before later pins
-                    continue
-                freed = self._make_room(seq, shares, work, preempted)
-                if freed is not None:
-                    budget += freed
                     continue
                 if not self.running:
                     raise PoolTooSmallError(

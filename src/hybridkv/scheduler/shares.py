@@ -8,17 +8,19 @@ has a key, admission favours the keys running fewest instead of first come, firs
 * **pick**: the next waiting sequence to admit is the first, in queue order (preempted
   ones first, as before), of those whose key has the fewest running sequences. A
   stream arriving behind 60 queued prompts of another request is admitted first.
-* **make room**: when that sequence's key runs nothing and it cannot be admitted
-  (``max_num_seqs`` running, or the pool cannot hold it), the most recently admitted
-  running sequence of the key running the most is preempted, if that key runs two or
-  more (recomputed later: nothing is lost; if this step had scheduled it, its tokens go
-  back to the budget and the blocks its allocation addressed lose their address, as
-  they will not be written), and admission tries again. So every key gets its first slot at
-  the next step, at the cost of one preemption; further slots go to the key running
-  fewest as running sequences finish. Evening out more by preemption (a second 64-prompt
+* **make room**: at the start of admission, before anything is admitted, one slot is
+  made for each waiting key that runs nothing, beyond the free slots: the most recently
+  admitted running sequence of the key running the most is preempted, while that key
+  runs two or more (recomputed later: nothing is lost; if this step had scheduled it, its
+  tokens go back to the budget and the blocks its allocation addressed lose their
+  address, as they will not be written). Before anything is admitted, because a sequence
+  admitted in this step could hit those blocks. So every key gets its first slot at the
+  next step, at the cost of one preemption; further slots go to the key running fewest
+  as running sequences finish. Evening out more by preemption (a second 64-prompt
   request taking 32 slots from the first at once) would recompute 32 sequences in one
   step and make that step, the one a newcomer's first token waits for, several times
-  longer.
+  longer. Room is made in slots only: a newcomer the pool cannot hold waits for blocks
+  as any request does.
 
 Why not a cap per request (``--max-seqs-per-request``): a cap idles slots when the
 capped request is alone, and still lets several capped requests fill the batch; fair
@@ -29,10 +31,10 @@ one, so *pick* is the queue's head and *make room* never fires: scheduling is vL
 decision by decision.
 
 Example (``max_num_seqs`` 4): request R (key ``r``) has prompts r0..r5; r0..r3 run,
-r4 and r5 wait. Stream S (key ``s``) arrives. Next step: *pick* S (``s`` runs 0, ``r``
-runs 4); no slot is free, ``s`` runs nothing and ``r`` runs two or more, so r3 (admitted last) is preempted to the
-queue's front and S is admitted. Then r3 is picked (``r`` runs 3, ``s`` 1: ``r`` runs
-something, no room is made for it) and waits for a free slot, as do r4 and r5.
+r4 and r5 wait. Stream S (key ``s``) arrives. Next step: ``s`` runs nothing, no slot is
+free and ``r`` runs two or more, so r3 (admitted last) is preempted to the queue's front;
+*pick* S (``s`` runs 0, ``r`` 3): S is admitted. Then r3 is picked, but no slot is free:
+it waits for one, as do r4 and r5 (``r`` runs something: no room is made for it).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def share_of(seq: Sequence) -> str:
 
 class FairShare:
     """Mixed into the Scheduler, whose ``__init__`` sets the attributes used here (``running``,
-    ``waiting``, ``kv``, ``num_keyed``, ``num_share_preemptions``) and which has ``_preempt``."""
+    ``waiting``, ``kv``, ``config``, ``num_keyed``, ``num_share_preemptions``) and which has
+    ``_preempt``."""
 
     __slots__ = ()
 
@@ -84,26 +87,29 @@ class FairShare:
         else:
             self.waiting.remove(seq)
 
-    def _make_room(self, seq: Sequence, shares: Counter | None, work: list, preempted: list) -> int | None:
-        """Preempt one running sequence of the key running most for the waiting ``seq``, whose
-        key runs nothing (see the module docstring); the budget tokens that frees (its tokens
-        scheduled this step, else 0), or None when ``seq``'s key runs something or no key runs two."""
-        if shares is None or not self.running or shares[share_of(seq)]:
-            return None
-        top = max(shares.values())
-        if top < 2:
-            return None
-        victim = next(s for s in reversed(self.running) if shares[share_of(s)] == top)
-        self.running.remove(victim)
-        shares[share_of(victim)] -= 1
+    def _make_room(self, shares: Counter, work: list, preempted: list) -> int:
+        """Preempt one running sequence for each waiting key that runs nothing, beyond the
+        free slots, while the key running most runs two or more (see the module docstring;
+        call before anything is admitted this step). The budget tokens that frees (the
+        victims' tokens scheduled this step)."""
+        newcomers = {share_of(s) for s in self.waiting if not shares[share_of(s)]}
+        need = len(newcomers) - (self.config.max_num_seqs - len(self.running))
         freed = 0
-        for i, (scheduled, computed, num_new) in enumerate(work):
-            if scheduled is victim:  # its slots were allocated this step, and full blocks' hashes cached:
-                del work[i]  # the step will not write them, so they lose their address first
-                self.kv.uncache_unwritten(victim.request, computed)
-                freed = num_new
+        while need > 0 and self.running:
+            top = max(shares.values())
+            if top < 2:
                 break
-        self._preempt(victim)
-        self.num_share_preemptions += 1
-        preempted.append(victim)
+            victim = next(s for s in reversed(self.running) if shares[share_of(s)] == top)
+            self.running.remove(victim)
+            shares[share_of(victim)] -= 1
+            for i, (scheduled, computed, num_new) in enumerate(work):
+                if scheduled is victim:  # its slots were allocated this step, and full blocks' hashes cached:
+                    del work[i]  # the step will not write them, so they lose their address first
+                    self.kv.uncache_unwritten(victim.request, computed)
+                    freed += num_new
+                    break
+            self._preempt(victim)
+            self.num_share_preemptions += 1
+            preempted.append(victim)
+            need -= 1
         return freed

@@ -59,12 +59,14 @@ class Chunk:
 class Submission:
     """The prompts of one HTTP request in the engine; iterate it for their chunks.
     ``abort(sub)`` is called once, by :meth:`close`, while some prompt has not ended;
-    ``on_close()`` once by :meth:`close` in any case."""
+    ``on_close()`` once, at whichever comes first: :meth:`close`, or the last prompt's end
+    reaching the event loop (so a response whose reader never started still calls it)."""
 
     def __init__(self, abort: Callable[[Submission], None], num_prompts: int,
                  on_close: Callable[[], None] | None = None) -> None:
         self._abort = abort
         self._on_close = on_close
+        self.num_delivered_ends = 0  # prompts whose final or error chunk reached the queue
         self.queue: asyncio.Queue[Chunk] = asyncio.Queue()
         self.request_ids: list[str] = []  # set by the engine thread when it adds them
         self.num_prompts = num_prompts
@@ -92,13 +94,23 @@ class Submission:
             self.closed = True
             if not self.done:
                 self._abort(self)
-            if self._on_close is not None:
-                self._on_close()
+            self.release()
+
+    def release(self) -> None:
+        """Call ``on_close`` unless it was (idempotent)."""
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
 
 
 def deliver(items: list[tuple[Submission, Chunk]]) -> None:
-    """On the event loop: one step's chunks into their submissions' queues (a closed one's dropped)."""
+    """On the event loop: one step's chunks into their submissions' queues (a closed one's
+    dropped); a submission whose every prompt has ended is released (``on_close``)."""
     for sub, chunk in items:
+        if chunk.final is not None or chunk.error is not None:
+            sub.num_delivered_ends += 1
+            if sub.num_delivered_ends == sub.num_prompts:
+                sub.release()
         if not sub.closed:
             sub.queue.put_nowait(chunk)
 
