@@ -16,9 +16,10 @@ vLLM 0.33. Each ``schedule()`` spends a token budget (``max_num_batched_tokens``
    does not fit stops admission (no skipping ahead). ``SchedulerConfig.admission``
    says what must fit: the whole prompt, each windowed group at most at its spec's
    per-request bound (``"full_prompt"``, vLLM's default), or only the first chunk
-   (``"first_chunk"``). Requests added with a ``share_key`` (one HTTP request's prompts,
-   one client's requests) are admitted max-min fair across keys instead, preempting a
-   key that runs two more than the newcomer's (:mod:`hybridkv.scheduler.shares`).
+   (``"first_chunk"``). When requests carry a ``share_key`` (one HTTP request's prompts,
+   one client's requests), the next one admitted is the first whose key runs fewest, and
+   before any admission a slot is made for each waiting key that runs nothing by
+   preempting one of the key running most (:mod:`hybridkv.scheduler.shares`).
 
 ``allocate_slots`` frees the blocks no future token attends to (outside the window /
 before the current chunk) as requests advance, so chunked and sliding groups hand

@@ -161,7 +161,8 @@ class AsyncLLM:
         engine's request ids are ``{request_id}-{i}`` per prompt (a response's id, as vLLM
         names them; unique per submission), or ``req-{n}``. ``share_key``: whose share of the
         running slots they take (the scheduler's, :mod:`hybridkv.scheduler.shares`);
-        ``on_close``: called once when the submission closes."""
+        ``on_close``: called once, when the submission closes or its last prompt ends
+        (:class:`~hybridkv.server.submission.Submission`)."""
         if len(prompts) != len(params) or not prompts:
             raise InvalidArgumentError(f"{len(params)} sampling params for {len(prompts)} prompts")
         if not self._accepting:

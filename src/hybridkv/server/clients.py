@@ -47,7 +47,8 @@ class Clients:
     def __init__(self, config) -> None:
         self.header = None if config.client_id_header is None else config.client_id_header.lower()
         keys = config.api_keys
-        self.keys = {key: f"key:{i}" for i, key in enumerate(keys)} if len(keys) > 1 else {}
+        #: the Authorization header's whole value (as the app's key check compares it) -> identity
+        self.keys = {f"Bearer {key}": f"key:{i}" for i, key in enumerate(keys)} if len(keys) > 1 else {}
         self.max_seqs = config.max_seqs_per_client
         self.max_tokens = config.max_tokens_per_client
         self.retry_after = config.retry_after
@@ -58,10 +59,7 @@ class Clients:
         """The client of a request with these (case-insensitive) headers; see the module docstring."""
         if self.header is not None:
             return "id:" + headers.get(self.header, "").strip()
-        if self.keys:
-            auth = headers.get("authorization", "")
-            return self.keys.get(auth[7:]) if auth.startswith("Bearer ") else None
-        return None
+        return self.keys.get(headers.get("authorization", "")) if self.keys else None
 
     def admit(self, client: str | None, num_seqs: int, num_tokens: int, param: str) -> Callable[[], None]:
         """Count a request of ``num_seqs`` sequences and ``num_tokens`` prompt tokens for
